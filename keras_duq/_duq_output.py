@@ -1,0 +1,266 @@
+"""The DUQ output layer: per-class RBF kernels around moving-average centroids."""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+from keras import ops
+
+from keras_duq import _ops
+
+DEFAULT_KERNEL_INITIALIZER = "he_normal"
+
+
+@keras.saving.register_keras_serializable(package="keras_duq")
+class DUQOutput(keras.layers.Layer):
+    """Deterministic Uncertainty Quantification (DUQ) output layer.
+
+    Replaces a softmax classifier head. Each class `c` has a learned
+    projection `W_c` and a centroid `e_c`; the layer returns, for each class,
+    the RBF kernel value between the projected features and the centroid:
+
+    `K_c = exp(-mean_over_centroid_dims((W_c f(x) - e_c)^2) / (2 length_scale^2))`
+
+    Every value lies in `[0, 1]`. The prediction is `argmax_c K_c` and the
+    certainty is `max_c K_c`: an input far from every centroid has low
+    certainty, i.e. it is likely out of distribution.
+
+    The centroids are not trained by gradient descent. Like the moving
+    statistics of `BatchNormalization`, they are non-trainable state that is
+    updated once per training step by `DUQModel.train_step` (through
+    `update_centroids`), after the optimizer step, from the features of the
+    current batch computed in inference mode:
+
+    - `N_c = momentum * N_c + (1 - momentum) * (number of class-c examples)`
+    - `m_c = momentum * m_c + (1 - momentum) * sum(W_c f(x) for class-c x)`
+    - `e_c = m_c / N_c`
+
+    The state starts at `N_c = 12` and `m_c = 12 * normal(0, 1)`, as in the
+    reference implementation.
+
+    **During training and inference** the layer computes the same thing;
+    calling it never changes the centroids. Its computation always runs in
+    float32, whatever the global dtype policy, and its output is float32.
+
+    `W` is stored as one matrix `kernel` of shape
+    `(features, centroid_dims * num_classes)`, so `W_c` is
+    `ops.reshape(kernel, (features, centroid_dims, num_classes))[:, :, c]`
+    transposed. One matrix makes the projection of all classes a single
+    matrix multiplication, and gives Keras initializers the right fan-in
+    (`features`).
+
+    References:
+        - [van Amersfoort et al., 2020](https://arxiv.org/abs/2003.02037),
+          "Uncertainty Estimation Using a Single Deep Deterministic Neural
+          Network", ICML 2020.
+
+    Example:
+
+    ```python
+    inputs = keras.Input(shape=(2,))
+    x = keras.layers.Dense(20, activation="relu")(inputs)
+    outputs = keras_duq.DUQOutput(num_classes=2, centroid_dims=10)(x)
+    model = keras_duq.DUQModel(inputs, outputs, gradient_penalty=1.0)
+    model.compile(optimizer="sgd")
+    ```
+
+    Args:
+        num_classes: int, number of classes (at least 2).
+        centroid_dims: int or `None`, size `n` of the centroids and of each
+            projected feature vector `W_c f(x)`. `None` (default) uses the
+            number of input features.
+        length_scale: float > 0, the RBF length scale `sigma`. Defaults to
+            `0.1`, the paper's value for FashionMNIST and CIFAR-10. With
+            `trainable_length_scale=True` it is the initial value of a
+            per-class learned length scale.
+        momentum: float in `[0, 1)`, momentum of the centroid moving average
+            (as in `BatchNormalization`). Defaults to `0.999`.
+        kernel_initializer: initializer for `W`. Defaults to `"he_normal"`:
+            scaled by the fan-in, so the projected features keep the scale of
+            the input features whatever their number (see the README for the
+            measurements behind this choice).
+        trainable_length_scale: bool, whether to learn one length scale per
+            class by gradient descent. Defaults to `False`.
+        **kwargs: base layer keyword arguments such as `name`. The layer's
+            dtype is always float32.
+
+    Input shape:
+        `(batch_size, features)`: the output of a feature extractor. Add
+        `keras.layers.Flatten()` or `keras.layers.GlobalAveragePooling2D()`
+        to a backbone that returns feature maps.
+
+    Output shape:
+        `(batch_size, num_classes)` float32 kernel values in `[0, 1]`.
+    """
+
+    def __init__(
+        self,
+        num_classes: int,
+        centroid_dims: int | None = None,
+        length_scale: float = 0.1,
+        momentum: float = 0.999,
+        kernel_initializer=DEFAULT_KERNEL_INITIALIZER,
+        trainable_length_scale: bool = False,
+        **kwargs,
+    ):
+        dtype = kwargs.pop("dtype", None)
+        if dtype is not None:
+            policy = keras.dtype_policies.get(dtype)
+            if policy.compute_dtype != "float32":
+                raise ValueError(
+                    "DUQOutput always computes in float32 (its kernel, "
+                    "centroids and gradient penalty need the precision). "
+                    "Leave `dtype` unset; mixed-precision backbones work. "
+                    f"Received: `dtype={dtype!r}`"
+                )
+        super().__init__(dtype="float32", **kwargs)
+        _check_int("num_classes", num_classes, minimum=2)
+        if centroid_dims is not None:
+            _check_int("centroid_dims", centroid_dims, minimum=1)
+        if not isinstance(length_scale, (int, float)) or not length_scale > 0:
+            raise ValueError(
+                "Expected `length_scale` to be a float > 0. "
+                f"Received: `length_scale={length_scale!r}`"
+            )
+        if not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
+            raise ValueError(
+                "Expected `momentum` to be a float in [0, 1) (the paper uses "
+                f"0.99 to 0.999). Received: `momentum={momentum!r}`"
+            )
+        self.num_classes = num_classes
+        self.centroid_dims = centroid_dims
+        self.length_scale = float(length_scale)
+        self.momentum = float(momentum)
+        self.kernel_initializer = keras.initializers.get(kernel_initializer)
+        self.trainable_length_scale = bool(trainable_length_scale)
+        self.input_spec = keras.layers.InputSpec(ndim=2)
+
+    def build(self, input_shape):
+        if len(input_shape) != 2 or input_shape[-1] is None:
+            raise ValueError(
+                "DUQOutput expects features of shape (batch_size, features) "
+                "with a known number of features. Add "
+                "`keras.layers.GlobalAveragePooling2D()` (images) or "
+                "`keras.layers.Flatten()` at the end of the backbone. "
+                f"Received: input shape {tuple(input_shape)}"
+            )
+        features = input_shape[-1]
+        dims = self.centroid_dims or features
+        self._resolved_centroid_dims = dims
+        self.kernel = self.add_weight(
+            name="kernel",
+            shape=(features, dims * self.num_classes),
+            initializer=self.kernel_initializer,
+            trainable=True,
+        )
+        self.length_scales = self.add_weight(
+            name="length_scales",
+            shape=(self.num_classes,),
+            initializer=keras.initializers.Constant(self.length_scale),
+            trainable=self.trainable_length_scale,
+        )
+        # Replicas all-reduce the batch statistics before assigning, so every
+        # replica assigns the same value and "mean" aggregation is exact.
+        self.centroid_counts = self.add_weight(
+            name="centroid_counts",
+            shape=(self.num_classes,),
+            initializer=keras.initializers.Constant(
+                _ops.INITIAL_CENTROID_COUNT
+            ),
+            trainable=False,
+            aggregation="mean",
+        )
+        self.centroid_sums = self.add_weight(
+            name="centroid_sums",
+            shape=(dims, self.num_classes),
+            initializer=keras.initializers.RandomNormal(
+                stddev=_ops.INITIAL_CENTROID_COUNT
+            ),
+            trainable=False,
+            aggregation="mean",
+        )
+        self.input_spec = keras.layers.InputSpec(ndim=2, axes={-1: features})
+
+    @property
+    def centroids(self):
+        """The current centroids `e_c`, shape `(centroid_dims, num_classes)`."""
+        return _ops.centroids(self.centroid_counts, self.centroid_sums)
+
+    def embed(self, features):
+        """Projects features with every `W_c`: `(batch, centroid_dims, classes)`."""
+        features = ops.cast(features, "float32")
+        projected = ops.matmul(features, self.kernel)
+        return ops.reshape(
+            projected, (-1, self._resolved_centroid_dims, self.num_classes)
+        )
+
+    def log_kernel_values(self, features):
+        """`log K_c` for every class: `(batch, num_classes)`, all `<= 0`.
+
+        Prefer this to `log(layer(features))`: kernel values underflow to
+        zero far from the centroids, their logarithm does not.
+        """
+        distances = _ops.squared_distances(self.embed(features), self.centroids)
+        return _ops.log_kernel_values(distances, self.length_scales)
+
+    def call(self, inputs):
+        return ops.exp(self.log_kernel_values(inputs))
+
+    def update_centroids(self, features, labels_one_hot):
+        """One moving-average step of the centroid state on a batch.
+
+        `DUQModel.train_step` calls this once per step; call it yourself only
+        in a custom training loop. Under a `tf.distribute` strategy the
+        per-class counts and sums are summed over all replicas first, so the
+        update uses the global batch and every replica keeps the same state.
+
+        Args:
+            features: `(batch, features)` backbone output, computed in
+                inference mode after the optimizer step.
+            labels_one_hot: `(batch, num_classes)` one-hot labels.
+        """
+        counts, sums = _ops.centroid_statistics(
+            self.embed(features), ops.cast(labels_one_hot, "float32")
+        )
+        replica_context = tf.distribute.get_replica_context()
+        if (
+            replica_context is not None
+            and replica_context.num_replicas_in_sync > 1
+        ):
+            counts, sums = replica_context.all_reduce(
+                tf.distribute.ReduceOp.SUM, [counts, sums]
+            )
+        self.centroid_counts.assign(
+            _ops.moving_average(self.centroid_counts, counts, self.momentum)
+        )
+        self.centroid_sums.assign(
+            _ops.moving_average(self.centroid_sums, sums, self.momentum)
+        )
+
+    def compute_output_shape(self, input_shape):
+        return (input_shape[0], self.num_classes)
+
+    def get_config(self):
+        config = super().get_config()
+        config.pop("dtype", None)
+        config.update(
+            {
+                "num_classes": self.num_classes,
+                "centroid_dims": self.centroid_dims,
+                "length_scale": self.length_scale,
+                "momentum": self.momentum,
+                "kernel_initializer": keras.initializers.serialize(
+                    self.kernel_initializer
+                ),
+                "trainable_length_scale": self.trainable_length_scale,
+            }
+        )
+        return config
+
+
+def _check_int(name, value, minimum):
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(
+            f"Expected `{name}` to be an integer >= {minimum}. "
+            f"Received: `{name}={value!r}`"
+        )

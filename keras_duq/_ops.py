@@ -1,0 +1,193 @@
+"""The math of DUQ, each formula in exactly one function.
+
+Everything else in keras_duq (the layer, the model, the metrics) calls these
+functions, so that the kernel, the loss, the gradient penalty and the centroid
+moving average are defined once. All functions take and return float32
+tensors; callers are responsible for casting.
+"""
+
+from __future__ import annotations
+
+from keras import ops
+
+PENALTIES = ("two_sided", "one_sided")
+
+# The centroid state starts as if every class had already been seen this many
+# times, as in the reference implementation: the first batches then move the
+# centroids gently instead of replacing them.
+INITIAL_CENTROID_COUNT = 12.0
+
+# `log(1 - K)` is evaluated as `log(-expm1(log K))`, which is -inf when a
+# feature vector sits exactly on a wrong centroid. Clamping `log K` just below
+# zero keeps the loss finite there; the clamp only binds when
+# `d / (2 length_scale^2) < 1e-7`, where the true value is below log(1e-7).
+_LOG_KERNEL_CEILING = -1e-7
+
+
+def squared_distances(embeddings, centroids):
+    """Mean squared distance between class embeddings and centroids.
+
+    Args:
+        embeddings: `(batch, centroid_dims, num_classes)`: `W_c f(x)` for
+            every class `c`.
+        centroids: `(centroid_dims, num_classes)`: `e_c` for every class.
+
+    Returns:
+        `(batch, num_classes)`: `mean_over_centroid_dims((W_c f(x) - e_c)^2)`.
+        Dividing by `centroid_dims` (the paper's `1/n`) keeps the length
+        scale meaningful whatever the centroid size.
+    """
+    return ops.mean(ops.square(embeddings - centroids[None]), axis=1)
+
+
+def log_kernel_values(distances, length_scale):
+    """Logarithm of the RBF kernel: `log K_c = -d_c / (2 length_scale^2)`.
+
+    Working in log space keeps the loss and its gradient exact when the
+    kernel values underflow to zero, which is the normal state of a freshly
+    initialised model.
+
+    Args:
+        distances: `(batch, num_classes)` output of `squared_distances`.
+        length_scale: scalar or `(num_classes,)` length scale `sigma`.
+
+    Returns:
+        `(batch, num_classes)` log kernel values, all `<= 0`.
+    """
+    return -distances / (2.0 * ops.square(length_scale))
+
+
+def binary_cross_entropy(log_kernel, labels_one_hot):
+    """Per-example DUQ loss: binary cross-entropy of each kernel value.
+
+    `-mean_c [y_c log K_c + (1 - y_c) log(1 - K_c)]`, computed from
+    `log K_c` with `log(1 - K_c) = log(-expm1(log K_c))`. Unlike
+    `keras.losses.binary_crossentropy`, nothing is clipped at 1e-7, so a
+    saturated kernel still gets the gradient that pulls it to its centroid.
+
+    Args:
+        log_kernel: `(batch, num_classes)` from `log_kernel_values`.
+        labels_one_hot: `(batch, num_classes)` one-hot labels (float32).
+
+    Returns:
+        `(batch,)` loss per example (averaged over classes).
+    """
+    log_one_minus_kernel = ops.log(
+        -ops.expm1(ops.minimum(log_kernel, _LOG_KERNEL_CEILING))
+    )
+    per_class = labels_one_hot * log_kernel + (
+        1.0 - labels_one_hot
+    ) * log_one_minus_kernel
+    return -ops.mean(per_class, axis=-1)
+
+
+def gradient_norms(gradients):
+    """Per-example L2 norm of input gradients, flattened over all inputs.
+
+    The norm is safe at zero: where the gradient is exactly zero (all kernel
+    values underflowed, as at initialisation) the norm is 0 and its own
+    gradient is 0, not NaN.
+
+    Args:
+        gradients: list of `(batch, ...)` gradient tensors, one per
+            floating-point input; `None` entries (inputs the output does not
+            depend on) are skipped.
+
+    Returns:
+        `(batch,)` float32 norms.
+    """
+    squared = None
+    for gradient in gradients:
+        if gradient is None:
+            continue
+        gradient = ops.cast(gradient, "float32")
+        batch_size = ops.shape(gradient)[0]
+        term = ops.sum(ops.square(ops.reshape(gradient, (batch_size, -1))), -1)
+        squared = term if squared is None else squared + term
+    if squared is None:
+        raise ValueError(
+            "The gradient penalty needs the kernel values to depend on at "
+            "least one floating-point input, but no input received a "
+            "gradient. Check that the backbone uses its inputs, or pass "
+            "`gradient_penalty=0` to train without the penalty."
+        )
+    positive = squared > 0.0
+    # Double `where`: sqrt is only differentiated where its argument is > 0.
+    safe_squared = ops.where(positive, squared, ops.ones_like(squared))
+    return ops.where(positive, ops.sqrt(safe_squared), ops.zeros_like(squared))
+
+
+def gradient_penalty(norms, penalty="two_sided"):
+    """Per-example gradient penalty on the input-gradient norm.
+
+    - `"two_sided"`: `(||g|| - 1)^2`, the paper's default: the sum of kernel
+      values must change with the input, neither too fast (smoothness) nor
+      too slowly (sensitivity, which prevents feature collapse).
+    - `"one_sided"`: `max(0, ||g|| - 1)^2`: smoothness only.
+
+    Args:
+        norms: `(batch,)` from `gradient_norms`.
+        penalty: `"two_sided"` or `"one_sided"`.
+
+    Returns:
+        `(batch,)` penalty per example (not yet multiplied by its weight).
+    """
+    validate_penalty(penalty)
+    if penalty == "one_sided":
+        return ops.square(ops.relu(norms - 1.0))
+    return ops.square(norms - 1.0)
+
+
+def centroid_statistics(embeddings, labels_one_hot):
+    """Per-class example counts and embedding sums of one batch.
+
+    Args:
+        embeddings: `(batch, centroid_dims, num_classes)`.
+        labels_one_hot: `(batch, num_classes)` float32.
+
+    Returns:
+        `(counts, sums)`: `(num_classes,)` and `(centroid_dims, num_classes)`,
+        where `sums[:, c]` adds `W_c f(x)` over the batch's class-`c` examples.
+    """
+    counts = ops.sum(labels_one_hot, axis=0)
+    sums = ops.einsum("bdc,bc->dc", embeddings, labels_one_hot)
+    return counts, sums
+
+
+def moving_average(state, batch_value, momentum):
+    """The exponential moving average step used for the centroid state.
+
+    `state <- momentum * state + (1 - momentum) * batch_value`, applied to
+    both the counts `N_c` and the embedding sums `m_c`; the centroids are
+    then `e_c = m_c / N_c` (see `centroids`).
+    """
+    return momentum * state + (1.0 - momentum) * batch_value
+
+
+def centroids(counts, sums):
+    """Centroids `e_c = m_c / N_c` from the moving-average state."""
+    return sums / counts[None, :]
+
+
+def coupled_weight_decay_loss(weights, weight_decay):
+    """`weight_decay / 2 * sum ||w||^2` over `weights`.
+
+    Its gradient adds `weight_decay * w` to the gradient of every weight:
+    the coupled L2 weight decay of the paper (PyTorch's SGD `weight_decay`),
+    which is not the decoupled `weight_decay` of Keras optimizers.
+    """
+    total = ops.zeros((), dtype="float32")
+    for weight in weights:
+        total = total + ops.sum(ops.square(ops.cast(weight, "float32")))
+    return 0.5 * weight_decay * total
+
+
+def validate_penalty(penalty):
+    """Raises a `ValueError` unless `penalty` is a known penalty name."""
+    if penalty not in PENALTIES:
+        raise ValueError(
+            f"Unknown penalty. Expected one of {PENALTIES} (use "
+            "`gradient_penalty=0` to turn the penalty off). "
+            f"Received: `penalty={penalty!r}`"
+        )
+

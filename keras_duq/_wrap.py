@@ -1,0 +1,138 @@
+"""`wrap`: turn any Keras backbone into a DUQ model."""
+
+from __future__ import annotations
+
+import keras
+
+from keras_duq._duq_model import DEFAULT_GRADIENT_PENALTY
+from keras_duq._duq_model import DEFAULT_WEIGHT_DECAY
+from keras_duq._duq_model import DUQModel
+from keras_duq._duq_output import DEFAULT_KERNEL_INITIALIZER
+from keras_duq._duq_output import DUQOutput
+
+
+def wrap(
+    backbone,
+    num_classes: int,
+    *,
+    centroid_dims: int | None = None,
+    length_scale: float = 0.1,
+    momentum: float = 0.999,
+    kernel_initializer=DEFAULT_KERNEL_INITIALIZER,
+    gradient_penalty: float = DEFAULT_GRADIENT_PENALTY,
+    penalty: str = "two_sided",
+    weight_decay: float = DEFAULT_WEIGHT_DECAY,
+    trainable_length_scale: bool = False,
+    input_shape=None,
+    name: str | None = None,
+) -> DUQModel:
+    """Turns a Keras backbone into a DUQ model.
+
+    The backbone maps inputs to features `(batch, features)`; `wrap` puts a
+    `DUQOutput` head on top and returns a `DUQModel`, ready for `compile`
+    and `fit`. The backbone object is reused, not copied: its weights are the
+    model's weights.
+
+    Example:
+
+    ```python
+    backbone = keras.Sequential([
+        keras.Input((28, 28, 1)),
+        keras.layers.Conv2D(32, 3, activation="relu"),
+        keras.layers.GlobalAveragePooling2D(),
+    ])
+    model = keras_duq.wrap(backbone, num_classes=10)
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9))
+    model.fit(x_train, y_train, epochs=30)
+    kernel_values = model.predict(x_test)      # (batch, 10), in [0, 1]
+    predictions = kernel_values.argmax(axis=1)
+    certainty = kernel_values.max(axis=1)      # low: out of distribution
+    ```
+
+    Args:
+        backbone: a Keras model or layer returning one tensor of shape
+            `(batch, features)`: Sequential, functional, subclassed,
+            `keras.applications` (with `include_top=False, pooling="avg"`).
+        num_classes: int >= 2, number of classes.
+        centroid_dims: int or `None`, size of the centroids. `None` (default)
+            uses the number of backbone features.
+        length_scale: float > 0, RBF length scale. Defaults to `0.1`.
+        momentum: float in `[0, 1)`, centroid moving-average momentum.
+            Defaults to `0.999`.
+        kernel_initializer: initializer of the per-class projections `W`.
+            Defaults to `"he_normal"`.
+        gradient_penalty: float >= 0, weight of the gradient penalty; `0`
+            turns it off. Defaults to `0.1`.
+        penalty: `"two_sided"` (default) or `"one_sided"`.
+        weight_decay: float >= 0, coupled L2 weight decay (each gradient gets
+            `+ weight_decay * w`). Defaults to `1e-4`, as in the paper.
+        trainable_length_scale: bool, learn one length scale per class.
+            Defaults to `False`.
+        input_shape: tuple, the input shape without the batch dimension.
+            Needed only when the backbone does not define its inputs (a
+            subclassed model, or a Sequential model without `keras.Input`).
+        name: optional model name.
+
+    Returns:
+        A `DUQModel`.
+    """
+    inputs = _model_inputs(backbone, input_shape)
+    features = backbone(inputs)
+    if isinstance(features, (list, tuple, dict)):
+        raise ValueError(
+            "The backbone must return a single feature tensor of shape "
+            "(batch, features), but it returns several outputs. Wrap a model "
+            "that ends at the feature layer. Received: outputs "
+            f"{keras.tree.map_structure(lambda t: tuple(t.shape), features)}"
+        )
+    if len(features.shape) != 2:
+        raise ValueError(
+            "The backbone must return features of shape (batch, features). "
+            f"Received: output shape {tuple(features.shape)}. Add "
+            "`keras.layers.GlobalAveragePooling2D()` (for images) or "
+            "`keras.layers.Flatten()` as the backbone's last layer, or for "
+            "`keras.applications` pass `include_top=False, pooling='avg'`."
+        )
+    outputs = DUQOutput(
+        num_classes=num_classes,
+        centroid_dims=centroid_dims,
+        length_scale=length_scale,
+        momentum=momentum,
+        kernel_initializer=kernel_initializer,
+        trainable_length_scale=trainable_length_scale,
+        name="duq_output",
+    )(features)
+    return DUQModel(
+        inputs,
+        outputs,
+        gradient_penalty=gradient_penalty,
+        penalty=penalty,
+        weight_decay=weight_decay,
+        name=name,
+    )
+
+
+def _model_inputs(backbone, input_shape):
+    """Fresh `keras.Input`s matching the backbone's declared inputs."""
+    if input_shape is not None:
+        return keras.Input(shape=tuple(input_shape))
+    try:
+        declared = backbone.input
+    except (AttributeError, ValueError):
+        # Sequential models built from `keras.Input` only expose `inputs`.
+        declared = getattr(backbone, "inputs", None)
+        if isinstance(declared, list) and len(declared) == 1:
+            declared = declared[0]
+    if declared is None:
+        raise ValueError(
+            "Cannot tell the backbone's input shape: it does not define its "
+            "inputs (a subclassed model, or a Sequential model without "
+            "`keras.Input`). Pass `input_shape=` (without the batch "
+            f"dimension) to `wrap`. Received: backbone {backbone!r}"
+        )
+    return keras.tree.map_structure(
+        lambda t: keras.Input(
+            shape=tuple(t.shape[1:]), dtype=t.dtype, name=t.name
+        ),
+        declared,
+    )
