@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import matplotlib
+import numpy as np
+from matplotlib.figure import Figure
 
-matplotlib.use("Agg") if matplotlib.get_backend().lower() == "" else None
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+# Figures are built with `matplotlib.figure.Figure`, not `pyplot`: nothing
+# pops up, nothing is kept in pyplot's global registry, and any backend works.
 
 
 def plot_certainty_map(
@@ -48,7 +48,8 @@ def plot_certainty_map(
     grid_x, grid_y = np.meshgrid(xs, ys)
     grid = np.stack([grid_x.ravel(), grid_y.ravel()], axis=1).astype("float32")
     certainty = np.max(model.predict(grid, batch_size=4096, verbose=0), axis=1)
-    figure, axes = plt.subplots(figsize=(6, 5))
+    figure = Figure(figsize=(6, 5))
+    axes = figure.subplots()
     image = axes.contourf(
         grid_x,
         grid_y,
