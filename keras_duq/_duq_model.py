@@ -139,12 +139,7 @@ class DUQModel(keras.Model):
 
     def train_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        self._check_compiled_without_loss()
-        x = self._standardize_inputs(x)
-        labels_one_hot, checks = self._prepare_labels(y)
-        checks += self._input_checks(x)
-        with tf.control_dependencies(checks):
-            x = tf.nest.map_structure(tf.identity, x)
+        x, labels_one_hot, sample_weight = self._validate_batch(x, y, sample_weight)
         trainable_weights = self.trainable_weights
         with tf.GradientTape() as tape:
             log_kernel, penalty = self._log_kernel_and_penalty(x, training=True)
@@ -164,12 +159,7 @@ class DUQModel(keras.Model):
 
     def test_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        self._check_compiled_without_loss()
-        x = self._standardize_inputs(x)
-        labels_one_hot, checks = self._prepare_labels(y)
-        checks += self._input_checks(x)
-        with tf.control_dependencies(checks):
-            x = tf.nest.map_structure(tf.identity, x)
+        x, labels_one_hot, sample_weight = self._validate_batch(x, y, sample_weight)
         log_kernel, penalty = self._log_kernel_and_penalty(x, training=False)
         loss, bce = self._loss(log_kernel, penalty, labels_one_hot, sample_weight)
         objective = loss + _ops.coupled_weight_decay_loss(
@@ -228,6 +218,25 @@ class DUQModel(keras.Model):
             weights = ops.reshape(ops.cast(sample_weight, "float32"), (-1,))
         self._accuracy_tracker.update_state(correct, sample_weight=weights)
         return self.compute_metrics(x, y, ops.exp(log_kernel), sample_weight)
+
+    def _validate_batch(self, x, y, sample_weight):
+        """Checks a batch; returns it with every later op depending on the checks.
+
+        The checks of values (label range, NaN inputs) run in the graph. All
+        tensors the step uses are routed through them, so a bad batch raises
+        before the optimizer or the centroid update touches any state.
+        """
+        self._check_compiled_without_loss()
+        x = self._standardize_inputs(x)
+        labels_one_hot, checks = self._prepare_labels(y)
+        checks += self._input_checks(x)
+        if not checks:
+            return x, labels_one_hot, sample_weight
+        with tf.control_dependencies(checks):
+            return tf.nest.map_structure(
+                lambda t: None if t is None else tf.identity(t),
+                (x, labels_one_hot, sample_weight),
+            )
 
     def _check_compiled_without_loss(self):
         if self.loss is not None:

@@ -1,0 +1,54 @@
+"""Shared test set-up: the offline data in `shared/` beside the repository.
+
+The repository and `shared/` sit side by side (`<root>/main`,
+`<root>/shared`), locally and in CI.
+"""
+
+import os
+from pathlib import Path
+
+SHARED_DIR = Path(__file__).resolve().parents[2] / "shared"
+DATA_DIR = SHARED_DIR / "data"
+
+# Keras reads KERAS_HOME once, when `keras.src.backend.config` is imported,
+# so it must be set before the first `import keras` of the test session.
+# `setdefault` keeps a KERAS_HOME chosen by whoever runs the tests.
+os.environ.setdefault("KERAS_HOME", str(DATA_DIR / "keras"))
+
+import pytest  # noqa: E402
+
+
+def _existing(path):
+    if not path.exists():
+        pytest.skip(f"Offline data not found at {path} (expected shared/ beside the repo).")
+    return path
+
+
+@pytest.fixture(scope="session")
+def mnist_dir():
+    """Folder with the original MNIST IDX files (test set)."""
+    return _existing(DATA_DIR / "mnist")
+
+
+@pytest.fixture(scope="session")
+def fashion_mnist_dir():
+    """Folder with the original FashionMNIST IDX files (Keras cache layout)."""
+    return _existing(DATA_DIR / "keras" / "datasets" / "fashion-mnist")
+
+
+@pytest.fixture(scope="session")
+def keras_home():
+    """The Keras home in use, skipping when it cannot serve FashionMNIST offline.
+
+    `keras.utils.get_file` falls back to `/tmp/.keras` (and downloads) when
+    KERAS_HOME is not writable, which is the case for a read-only `shared/`
+    when the tests do not run as root.
+    """
+    from keras.src.backend import config
+
+    home = Path(config.keras_home())
+    if not (home / "datasets" / "fashion-mnist").is_dir():
+        pytest.skip(f"KERAS_HOME={home} holds no datasets/fashion-mnist.")
+    if not os.access(home, os.W_OK):
+        pytest.skip(f"KERAS_HOME={home} is read-only; keras would download.")
+    return home

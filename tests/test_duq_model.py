@@ -1,0 +1,420 @@
+"""DUQModel: the training step, its loss and penalty, Keras workflows, saving, errors."""
+
+import json
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_duq
+from keras_duq import _ops
+
+
+def _data(n=64, features=4, classes=3, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, features)).astype("float32")
+    y = rng.integers(0, classes, size=n)
+    return x, y
+
+
+def _model(classes=3, features=4, batch_norm=False, gradient_penalty=0.5, seed=0, **kwargs):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((features,))
+    x = keras.layers.Dense(8, activation="relu")(inputs)
+    if batch_norm:
+        x = keras.layers.BatchNormalization()(x)
+    x = keras.layers.Dense(8, activation="relu")(x)
+    outputs = keras_duq.DUQOutput(
+        num_classes=classes, centroid_dims=6, length_scale=0.5, momentum=0.9
+    )(x)
+    model = keras_duq.DUQModel(inputs, outputs, gradient_penalty=gradient_penalty, **kwargs)
+    return model
+
+
+def _compiled(lr=0.05, **kwargs):
+    model = _model(**kwargs)
+    model.compile(optimizer=keras.optimizers.SGD(lr))
+    return model
+
+
+def _state(model):
+    return [v.numpy().copy() for v in model.weights]
+
+
+def _assert_state_equal(model, state):
+    for old, variable in zip(state, model.weights):
+        np.testing.assert_array_equal(old, variable.numpy(), err_msg=variable.path)
+
+
+def _reference_loss(model, x, y, sample_weight=None):
+    """BCE + lambda * penalty + weight decay, from plain TF ops."""
+    x = tf.constant(x)
+    head = model.duq_output
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        features = model.feature_extractor(x, training=False)
+        kernel = tf.reshape(
+            tf.matmul(features, head.kernel), (-1, head.centroid_dims, head.num_classes)
+        )
+        centroids = head.centroid_sums / head.centroid_counts
+        distance = tf.reduce_mean(tf.square(kernel - centroids[None]), axis=1)
+        kernel_values = tf.exp(-distance / (2 * tf.square(head.length_scales)))
+        total = tf.reduce_sum(kernel_values)
+    gradient = tape.gradient(total, x)
+    norm = tf.norm(tf.reshape(gradient, (tf.shape(x)[0], -1)), axis=1)
+    k = tf.cast(kernel_values, tf.float64).numpy()
+    one_hot = np.eye(head.num_classes)[y]
+    bce = -np.mean(one_hot * np.log(k) + (1 - one_hot) * np.log(1 - k), axis=1)
+    per_example = bce + model.gradient_penalty * (norm.numpy() - 1) ** 2
+    if sample_weight is not None:
+        per_example = per_example * sample_weight
+    decay = 0.5 * model.weight_decay * sum(
+        float(np.sum(w.numpy() ** 2)) for w in model.trainable_weights
+    )
+    return float(np.mean(per_example)) + decay
+
+
+# ------------------------------------------------------------- the step
+
+
+def test_evaluate_loss_matches_reference_formula():
+    model = _compiled()
+    x, y = _data()
+    logs = model.evaluate(x, y, batch_size=64, return_dict=True, verbose=0)
+    assert logs["loss"] == pytest.approx(_reference_loss(model, x, y), rel=1e-4)
+    assert set(logs) >= {"loss", "bce", "gradient_penalty", "accuracy"}
+
+
+def test_sample_weight_weights_the_per_example_loss():
+    model = _compiled()
+    x, y = _data()
+    weights = np.linspace(0.0, 2.0, len(y)).astype("float32")
+    logs = model.evaluate(x, y, sample_weight=weights, batch_size=64, return_dict=True, verbose=0)
+    assert logs["loss"] == pytest.approx(_reference_loss(model, x, y, weights), rel=1e-4)
+
+
+def test_class_weight_equals_the_matching_sample_weight():
+    x, y = _data()
+    class_weight = {0: 0.5, 1: 2.0, 2: 1.0}
+    by_class = _compiled()
+    by_class.fit(x, y, batch_size=64, epochs=1, class_weight=class_weight, shuffle=False, verbose=0)
+    by_sample = _compiled()
+    weights = np.array([class_weight[int(label)] for label in y], dtype="float32")
+    by_sample.fit(x, y, batch_size=64, epochs=1, sample_weight=weights, shuffle=False, verbose=0)
+    for a, b in zip(by_class.weights, by_sample.weights):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-7)
+
+
+def test_centroids_update_once_after_the_step_in_inference_mode():
+    # BatchNorm makes training-mode and inference-mode features differ, so
+    # this catches an update from the training pass or from stale weights.
+    model = _compiled(batch_norm=True)
+    x, y = _data()
+    head = model.duq_output
+    counts = head.centroid_counts.numpy().copy()
+    sums = head.centroid_sums.numpy().copy()
+    model.train_on_batch(x, y)
+    features = model.feature_extractor(x, training=False).numpy()
+    embedded = np.einsum(
+        "bf,fdc->bdc", features, head.kernel.numpy().reshape(8, 6, 3)
+    )
+    one_hot = np.eye(3)[y]
+    np.testing.assert_allclose(
+        head.centroid_counts.numpy(), 0.9 * counts + 0.1 * one_hot.sum(0), rtol=1e-6
+    )
+    expected_sums = 0.9 * sums + 0.1 * np.einsum("bdc,bc->dc", embedded, one_hot)
+    np.testing.assert_allclose(head.centroid_sums.numpy(), expected_sums, rtol=1e-4, atol=1e-5)
+
+
+def test_coupled_weight_decay_adds_weight_decay_times_weight():
+    x, y = _data()
+    with_decay = _compiled(lr=1.0, weight_decay=0.01, gradient_penalty=0.0)
+    without = _compiled(lr=1.0, weight_decay=0.0, gradient_penalty=0.0)
+    initial = [w.numpy().copy() for w in with_decay.trainable_weights]
+    with_decay.train_on_batch(x, y)
+    without.train_on_batch(x, y)
+    for w0, a, b in zip(initial, with_decay.trainable_weights, without.trainable_weights):
+        # Plain SGD, lr 1: the only difference is -lr * weight_decay * w0.
+        np.testing.assert_allclose(a.numpy() - b.numpy(), -0.01 * w0, atol=1e-6)
+
+
+def _penalty_term(model, x):
+    _, penalty = model._log_kernel_and_penalty(x, training=False)
+    return tf.reduce_mean(penalty)
+
+
+def test_penalty_gradient_reaches_backbone_and_matches_finite_differences():
+    model = _model(gradient_penalty=1.0)
+    x, _ = _data(n=8)
+    x = tf.constant(x)
+    variable = model.feature_extractor.trainable_weights[0]
+    with tf.GradientTape() as tape:
+        penalty = _penalty_term(model, x)
+    gradient = tape.gradient(penalty, variable).numpy()
+    assert np.abs(gradient).max() > 1e-4
+    original = variable.numpy().copy()
+    rows, cols = np.unravel_index(np.argsort(-np.abs(gradient), axis=None)[:3], gradient.shape)
+    for i, j in zip(rows, cols):
+        estimates = []
+        for sign in (1.0, -1.0):
+            perturbed = original.copy()
+            perturbed[i, j] += sign * 1e-2
+            variable.assign(perturbed)
+            estimates.append(float(_penalty_term(model, x)))
+        variable.assign(original)
+        finite_difference = (estimates[0] - estimates[1]) / 2e-2
+        assert finite_difference == pytest.approx(gradient[i, j], rel=0.05, abs=1e-4)
+
+
+def test_no_nan_when_kernels_underflow_at_initialisation():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    features = keras.layers.Dense(8, activation="relu")(inputs)
+    outputs = keras_duq.DUQOutput(
+        num_classes=3, length_scale=1e-3,
+        kernel_initializer=keras.initializers.RandomNormal(stddev=10.0),
+    )(features)
+    model = keras_duq.DUQModel(inputs, outputs, gradient_penalty=1.0)
+    # A tiny learning rate: this test is about the penalty's norm at zero,
+    # not about how far the first (huge) loss gradient throws the weights.
+    model.compile(optimizer=keras.optimizers.SGD(1e-9))
+    x, y = _data()
+    assert np.all(model.predict(x, verbose=0) == 0.0)  # fully saturated
+    gradient_norm = _ops.gradient_norms(
+        [model._log_kernel_and_penalty(tf.constant(x), training=True)[1]]
+    )
+    assert np.isfinite(gradient_norm.numpy()).all()
+    logs = model.fit(x, y, epochs=2, batch_size=16, verbose=0).history
+    assert all(np.isfinite(v).all() for v in logs.values())
+    assert all(np.isfinite(w.numpy()).all() for w in model.weights)
+
+
+def test_zero_penalty_skips_penalty():
+    model = _compiled(gradient_penalty=0.0)
+    x, y = _data()
+    _, penalty = model._log_kernel_and_penalty(tf.constant(x), training=True)
+    assert penalty is None
+    logs = model.fit(x, y, epochs=1, verbose=0).history
+    assert "gradient_penalty" not in logs and "bce" in logs
+
+
+def test_one_sided_penalty_trains():
+    model = _compiled(penalty="one_sided")
+    x, y = _data()
+    history = model.fit(x, y, epochs=3, verbose=0).history
+    assert np.isfinite(history["gradient_penalty"]).all()
+
+
+def test_predictions_do_not_depend_on_the_batch():
+    model = _compiled(batch_norm=True)
+    x, y = _data()
+    model.fit(x, y, epochs=2, batch_size=16, verbose=0)
+    full = model.predict(x, batch_size=64, verbose=0)
+    for i in (0, 17, 63):
+        np.testing.assert_allclose(model.predict(x[i : i + 1], verbose=0)[0], full[i], rtol=1e-5, atol=1e-7)
+
+
+def test_model_learns_a_separable_problem():
+    rng = np.random.default_rng(1)
+    centers = np.array([[3, 0, 0, 0], [0, 3, 0, 0], [0, 0, 3, 0]], dtype="float32")
+    y = rng.integers(0, 3, size=300)
+    x = (centers[y] + rng.normal(scale=0.5, size=(300, 4))).astype("float32")
+    model = _compiled(lr=0.05)
+    history = model.fit(x, y, epochs=15, batch_size=32, verbose=0).history
+    assert history["loss"][-1] < history["loss"][0]
+    assert history["accuracy"][-1] > 0.9
+
+
+# ---------------------------------------------------------------- labels
+
+
+@pytest.mark.parametrize("form", ["sparse", "sparse_column", "one_hot", "float_sparse"])
+def test_label_forms_give_the_same_loss(form):
+    model = _compiled()
+    x, y = _data()
+    labels = {
+        "sparse": y,
+        "sparse_column": y[:, None],
+        "one_hot": np.eye(3, dtype="float32")[y],
+        "float_sparse": y.astype("float32"),
+    }[form]
+    logs = model.evaluate(x, labels, batch_size=64, return_dict=True, verbose=0)
+    assert logs["loss"] == pytest.approx(_reference_loss(model, x, y), rel=1e-4)
+
+
+# ------------------------------------------------------- keras workflows
+
+
+def test_fit_logs_and_compiled_metrics_receive_kernel_values():
+    seen = {}
+
+    class KernelRange(keras.metrics.Metric):
+        def __init__(self, name="kernel_range", **kwargs):
+            super().__init__(name=name, **kwargs)
+            self.low = self.add_variable((), initializer="ones", name="low")
+            self.high = self.add_variable((), initializer="zeros", name="high")
+
+        def update_state(self, y_true, y_pred, sample_weight=None):
+            seen["shape"] = tuple(y_pred.shape)
+            self.low.assign(tf.minimum(self.low, tf.reduce_min(y_pred)))
+            self.high.assign(tf.maximum(self.high, tf.reduce_max(y_pred)))
+
+        def result(self):
+            return self.high - self.low
+
+    model = _model()
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.05),
+        metrics=[keras.metrics.SparseCategoricalAccuracy(name="sparse_acc"), KernelRange()],
+    )
+    x, y = _data()
+    history = model.fit(x, y, validation_data=(x, y), epochs=2, batch_size=16, verbose=0).history
+    for key in ("loss", "bce", "gradient_penalty", "accuracy", "sparse_acc", "kernel_range"):
+        assert key in history and "val_" + key in history, key
+    assert seen["shape"][-1] == 3
+    assert 0.0 <= history["kernel_range"][-1] <= 1.0
+    np.testing.assert_allclose(history["sparse_acc"], history["accuracy"], atol=1e-6)
+    logs = model.evaluate(x, y, return_dict=True, verbose=0)
+    assert set(logs) == {"loss", "bce", "gradient_penalty", "accuracy", "sparse_acc", "kernel_range"}
+
+
+def test_tf_data_and_callbacks(tmp_path):
+    model = _compiled()
+    x, y = _data(n=96)
+    train = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(96, seed=0).batch(16)
+    val = tf.data.Dataset.from_tensor_slices((x, y)).batch(32)
+    callbacks = [
+        keras.callbacks.EarlyStopping(monitor="val_loss", patience=1),
+        keras.callbacks.ModelCheckpoint(str(tmp_path / "best.keras"), save_best_only=True),
+        keras.callbacks.TensorBoard(str(tmp_path / "logs")),
+        keras.callbacks.BackupAndRestore(str(tmp_path / "backup")),
+    ]
+    history = model.fit(train, validation_data=val, epochs=3, callbacks=callbacks, verbose=0)
+    assert len(history.history["loss"]) >= 2
+    restored = keras.models.load_model(tmp_path / "best.keras")
+    assert isinstance(restored, keras_duq.DUQModel)
+    assert any(name.startswith("events") for _, _, files in os.walk(tmp_path / "logs") for name in files)
+
+
+def test_dict_inputs_and_uint8_images():
+    keras.utils.set_random_seed(0)
+    image = keras.Input((6, 6, 1), name="image")
+    extra = keras.Input((3,), name="extra")
+    x = keras.layers.Flatten()(image)
+    x = keras.layers.Concatenate()([x, extra])
+    x = keras.layers.Dense(8, activation="relu")(x)
+    outputs = keras_duq.DUQOutput(num_classes=2)(x)
+    model = keras_duq.DUQModel({"image": image, "extra": extra}, outputs, gradient_penalty=0.5)
+    model.compile(optimizer=keras.optimizers.SGD(0.01))
+    rng = np.random.default_rng(0)
+    data = {
+        "image": rng.integers(0, 255, size=(32, 6, 6, 1)).astype("uint8"),
+        "extra": rng.normal(size=(32, 3)).astype("float32"),
+    }
+    y = rng.integers(0, 2, size=32)
+    history = model.fit(data, y, epochs=2, batch_size=8, verbose=0).history
+    assert np.isfinite(history["gradient_penalty"]).all()
+    # The penalty norm covers both inputs together.
+    prepared = model._standardize_inputs({k: tf.constant(v[:4]) for k, v in data.items()})
+    assert prepared["image"].dtype == tf.float32
+
+
+def test_integer_only_inputs_need_penalty_off():
+    tokens = keras.Input((5,), dtype="int32")
+    x = keras.layers.Embedding(20, 4)(tokens)
+    x = keras.layers.GlobalAveragePooling1D()(x)
+    outputs = keras_duq.DUQOutput(num_classes=2)(x)
+    with pytest.raises(ValueError, match="gradient_penalty=0"):
+        keras_duq.DUQModel(tokens, outputs, gradient_penalty=0.1)
+    model = keras_duq.DUQModel(tokens, outputs, gradient_penalty=0.0)
+    model.compile(optimizer="sgd")
+    x = np.random.default_rng(0).integers(0, 20, size=(16, 5))
+    model.fit(x, np.arange(16) % 2, epochs=1, verbose=0)
+
+
+# ----------------------------------------------------------------- saving
+
+
+def test_keras_save_and_load_round_trip(tmp_path):
+    model = _model(batch_norm=True)
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9))
+    x, y = _data()
+    model.fit(x, y, epochs=2, batch_size=16, verbose=0)
+    path = tmp_path / "duq.keras"
+    model.save(path)
+    restored = keras.models.load_model(path)
+    assert type(restored) is keras_duq.DUQModel
+    np.testing.assert_array_equal(restored.predict(x, verbose=0), model.predict(x, verbose=0))
+    for a, b in zip(model.weights, restored.weights):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    # Compared as JSON, the form they are saved in (tuples become lists).
+    assert json.dumps(restored.get_config()) == json.dumps(model.get_config())
+    # Training continues exactly like the original (same optimizer state).
+    model.fit(x, y, epochs=1, batch_size=16, shuffle=False, verbose=0)
+    restored.fit(x, y, epochs=1, batch_size=16, shuffle=False, verbose=0)
+    for a, b in zip(model.weights, restored.weights):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------- errors
+
+
+def test_loss_in_compile_is_rejected():
+    model = _model()
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = _data()
+    with pytest.raises(ValueError, match="Remove `loss`"):
+        model.fit(x, y, epochs=1, verbose=0)
+
+
+@pytest.mark.parametrize(
+    "labels, error",
+    [
+        (lambda y: y + 3, tf.errors.InvalidArgumentError),
+        (lambda y: y - 1, tf.errors.InvalidArgumentError),
+        (lambda y: np.eye(5, dtype="float32")[y], ValueError),
+        (lambda y: np.zeros((len(y), 2, 2)), ValueError),
+    ],
+    ids=["too_large", "negative", "wrong_one_hot_width", "wrong_rank"],
+)
+def test_bad_labels_raise_and_leave_state_unchanged(labels, error):
+    model = _compiled()
+    x, y = _data()
+    model.fit(x, y, epochs=1, verbose=0)  # trace the step with good data
+    state = _state(model)
+    with pytest.raises(error, match=r"(?i)label"):
+        model.fit(x, labels(y), epochs=1, verbose=0)
+    _assert_state_equal(model, state)
+
+
+def test_nan_inputs_raise_and_leave_state_unchanged():
+    model = _compiled()
+    x, y = _data()
+    model.fit(x, y, epochs=1, verbose=0)
+    state = _state(model)
+    x[5, 1] = np.nan
+    with pytest.raises(tf.errors.InvalidArgumentError, match="NaN"):
+        model.fit(x, y, epochs=1, batch_size=64, verbose=0)
+    _assert_state_equal(model, state)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"gradient_penalty": -1.0}, "gradient_penalty"),
+        ({"weight_decay": -1e-4}, "weight_decay"),
+        ({"penalty": "both"}, "two_sided"),
+    ],
+)
+def test_bad_model_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=f"(?s){message}.*Received"):
+        _model(**kwargs)
+
+
+def test_outputs_must_come_from_duq_output():
+    inputs = keras.Input((4,))
+    outputs = keras.layers.Dense(3)(inputs)
+    with pytest.raises(ValueError, match="DUQOutput"):
+        keras_duq.DUQModel(inputs, outputs)

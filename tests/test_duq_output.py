@@ -1,0 +1,135 @@
+"""DUQOutput: kernel values, centroid state, arguments and config."""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_duq
+
+
+def _layer(**kwargs):
+    kwargs.setdefault("num_classes", 3)
+    kwargs.setdefault("centroid_dims", 4)
+    layer = keras_duq.DUQOutput(**kwargs)
+    layer.build((None, 5))
+    return layer
+
+
+def _features(batch=6, features=5, seed=0):
+    return np.random.default_rng(seed).normal(size=(batch, features)).astype("float32")
+
+
+def test_kernel_values_match_paper_formula():
+    layer = _layer(length_scale=0.5)
+    features = _features()
+    kernel = layer.kernel.numpy().reshape(5, 4, 3)
+    centroids = layer.centroid_sums.numpy() / layer.centroid_counts.numpy()
+    expected = np.empty((6, 3))
+    for c in range(3):
+        embedded = features @ kernel[:, :, c]  # W_c f(x)
+        distance = np.mean((embedded - centroids[:, c]) ** 2, axis=1)
+        expected[:, c] = np.exp(-distance / (2 * 0.5**2))
+    got = keras.ops.convert_to_numpy(layer(features))
+    assert got.shape == (6, 3) and got.dtype == np.float32
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-7)
+    assert ((got >= 0) & (got <= 1)).all()
+
+
+def test_initial_state_follows_reference():
+    layer = _layer(num_classes=10, centroid_dims=64)
+    np.testing.assert_array_equal(layer.centroid_counts.numpy(), np.full(10, 12.0))
+    # m_c = 12 * normal(0, 1), so the initial centroids are standard normal.
+    assert abs(float(np.std(layer.centroids)) - 1.0) < 0.1
+    assert not layer.centroid_counts.trainable
+    assert not layer.centroid_sums.trainable
+    assert layer.kernel.trainable
+    assert tuple(layer.kernel.shape) == (5, 64 * 10)
+
+
+def test_centroid_dims_default_to_feature_size():
+    layer = keras_duq.DUQOutput(num_classes=2)
+    layer.build((None, 7))
+    assert tuple(layer.centroids.shape) == (7, 2)
+
+
+def test_calling_never_changes_centroids():
+    layer = _layer()
+    before = [v.numpy().copy() for v in layer.non_trainable_weights]
+    layer(_features(), training=True)
+    layer(_features(), training=False)
+    for old, variable in zip(before, layer.non_trainable_weights):
+        np.testing.assert_array_equal(old, variable.numpy())
+
+
+def test_update_centroids_is_one_moving_average_step():
+    layer = _layer(momentum=0.9)
+    features = _features()
+    labels = np.array([0, 1, 1, 2, 2, 2])
+    old_counts = layer.centroid_counts.numpy().copy()
+    old_sums = layer.centroid_sums.numpy().copy()
+    embedded = np.einsum("bf,fdc->bdc", features, layer.kernel.numpy().reshape(5, 4, 3))
+    layer.update_centroids(features, np.eye(3, dtype="float32")[labels])
+    expected_counts = 0.9 * old_counts + 0.1 * np.array([1, 2, 3])
+    np.testing.assert_allclose(layer.centroid_counts.numpy(), expected_counts, rtol=1e-6)
+    for c in range(3):
+        expected = 0.9 * old_sums[:, c] + 0.1 * embedded[labels == c, :, c].sum(0)
+        np.testing.assert_allclose(layer.centroid_sums.numpy()[:, c], expected, rtol=1e-5)
+
+
+def test_output_is_float32_under_mixed_precision():
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        layer = keras_duq.DUQOutput(num_classes=2)
+        output = layer(keras.ops.cast(_features(), "bfloat16"))
+        assert keras.backend.standardize_dtype(output.dtype) == "float32"
+        assert layer.compute_dtype == "float32"
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def test_trainable_length_scale_is_a_weight():
+    layer = _layer(trainable_length_scale=True, length_scale=0.2)
+    assert layer.length_scales.trainable
+    np.testing.assert_allclose(layer.length_scales.numpy(), [0.2, 0.2, 0.2])
+    assert not _layer().length_scales.trainable
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"num_classes": 1}, "num_classes"),
+        ({"num_classes": 2.5}, "num_classes"),
+        ({"num_classes": 3, "centroid_dims": 0}, "centroid_dims"),
+        ({"num_classes": 3, "length_scale": 0.0}, "length_scale"),
+        ({"num_classes": 3, "length_scale": -1.0}, "length_scale"),
+        ({"num_classes": 3, "momentum": 1.0}, "momentum"),
+        ({"num_classes": 3, "momentum": -0.1}, "momentum"),
+        ({"num_classes": 3, "dtype": "float16"}, "float32"),
+    ],
+)
+def test_bad_arguments_raise_clear_errors(kwargs, message):
+    with pytest.raises(ValueError, match=f"(?s){message}.*Received"):
+        keras_duq.DUQOutput(**kwargs)
+
+
+def test_feature_maps_are_rejected_with_a_fix():
+    layer = keras_duq.DUQOutput(num_classes=3)
+    with pytest.raises(ValueError, match="GlobalAveragePooling2D"):
+        layer.build((None, 7, 7, 16))
+
+
+def test_config_round_trip():
+    layer = keras_duq.DUQOutput(
+        num_classes=4,
+        centroid_dims=8,
+        length_scale=0.3,
+        momentum=0.99,
+        kernel_initializer=keras.initializers.RandomNormal(stddev=0.05),
+        trainable_length_scale=True,
+        name="head",
+    )
+    config = layer.get_config()
+    restored = keras_duq.DUQOutput.from_config(config)
+    assert restored.get_config() == config
+    assert config["num_classes"] == 4 and config["centroid_dims"] == 8
+    assert config["length_scale"] == 0.3 and config["momentum"] == 0.99

@@ -1,0 +1,380 @@
+"""Tests of keras_duq._evaluation: metrics by hand and against scikit-learn."""
+
+import csv
+import math
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from sklearn import datasets as sk_datasets
+from sklearn import metrics as sk_metrics
+
+import keras_duq
+
+# ------------------------------------------------------------ certainty_scores
+
+
+def test_certainty_max_by_hand():
+    scores = np.array([[0.1, 0.7, 0.2], [0.05, 0.01, 0.0]])
+    np.testing.assert_allclose(keras_duq.certainty_scores(scores), [0.7, 0.05])
+
+
+def test_certainty_negative_entropy_by_hand():
+    probabilities = np.array([[0.5, 0.5], [1.0, 0.0], [0.2, 0.8]])
+    expected = [-math.log(2), 0.0, 0.2 * math.log(0.2) + 0.8 * math.log(0.8)]
+    np.testing.assert_allclose(
+        keras_duq.certainty_scores(probabilities, method="negative_entropy"),
+        expected,
+    )
+
+
+def test_certainty_orders_confident_before_uniform():
+    probabilities = np.array([[0.98, 0.01, 0.01], [1 / 3, 1 / 3, 1 / 3]])
+    for method in ("max", "negative_entropy"):
+        certainty = keras_duq.certainty_scores(probabilities, method=method)
+        assert certainty[0] > certainty[1], method
+
+
+@pytest.mark.parametrize(
+    "scores, kwargs, match",
+    [
+        (np.array([0.1, 0.9]), {}, "shape"),
+        (np.ones((2, 2, 2)), {}, "shape"),
+        (np.ones((2, 2)), {"method": "entropy"}, "negative_entropy"),
+        (np.array([[-1.0, 2.0]]), {"method": "negative_entropy"}, "logits"),
+        (np.array([[np.nan, 0.5]]), {}, "NaN"),
+    ],
+)
+def test_certainty_rejects_bad_input(scores, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        keras_duq.certainty_scores(scores, **kwargs)
+
+
+# ---------------------------------------------------------------- ood_metrics
+
+IN_CERTAINTY = np.array([0.9, 0.8, 0.7, 0.4])
+OOD_CERTAINTY = np.array([0.6, 0.3, 0.2])
+
+
+def test_ood_metrics_by_hand():
+    metrics = keras_duq.ood_metrics(IN_CERTAINTY, OOD_CERTAINTY)
+    # Pairs (in, OoD) with the OoD example less certain: 3 + 4 + 4 of 12.
+    assert metrics["auroc"] == pytest.approx(11 / 12)
+    # Least certain first: OoD, OoD, in, OoD: precision 1, 1, 3/4 at the
+    # three OoD examples.
+    assert metrics["aupr"] == pytest.approx((1 + 1 + 3 / 4) / 3)
+    # Catching all 3 OoD examples (>= 95%) means flagging certainty <= 0.6,
+    # which also flags the in-distribution 0.4: 1 of 4.
+    assert metrics["fpr_at_95_tpr"] == pytest.approx(0.25)
+
+
+def test_ood_metrics_match_sklearn():
+    rng = np.random.default_rng(0)
+    in_certainty = rng.normal(1.0, 1.0, 500)
+    ood_certainty = rng.normal(0.0, 1.0, 300)
+    metrics = keras_duq.ood_metrics(in_certainty, ood_certainty)
+    is_ood = np.r_[np.zeros(500), np.ones(300)]
+    uncertainty = -np.r_[in_certainty, ood_certainty]
+    assert metrics["auroc"] == pytest.approx(
+        sk_metrics.roc_auc_score(is_ood, uncertainty)
+    )
+    assert metrics["aupr"] == pytest.approx(
+        sk_metrics.average_precision_score(is_ood, uncertainty)
+    )
+    # FPR at 95% TPR by brute force over every threshold.
+    best = min(
+        np.mean(in_certainty <= t)
+        for t in np.r_[in_certainty, ood_certainty]
+        if np.mean(ood_certainty <= t) >= 0.95
+    )
+    assert metrics["fpr_at_95_tpr"] == pytest.approx(best)
+
+
+def test_good_detector_scores_high_not_low():
+    """Catches a flipped sign: confident in-distribution must give AUROC ~1."""
+    rng = np.random.default_rng(1)
+    in_certainty = rng.uniform(0.7, 1.0, 200)  # like DUQ on its training data
+    ood_certainty = rng.uniform(0.0, 0.3, 200)  # far from every centroid
+    metrics = keras_duq.ood_metrics(in_certainty, ood_certainty)
+    assert metrics == {"auroc": 1.0, "aupr": 1.0, "fpr_at_95_tpr": 0.0}
+    flipped = keras_duq.ood_metrics(ood_certainty, in_certainty)
+    assert flipped["auroc"] == 0.0
+    assert flipped["fpr_at_95_tpr"] == 1.0
+
+
+def test_fpr_at_exactly_95_percent_tpr():
+    # 20 OoD examples: catching 19 of them is exactly 95%, which suffices;
+    # catching all 20 would also flag the in-distribution 0.185.
+    ood_certainty = np.arange(20) / 100
+    in_certainty = np.array([0.185, 0.5, 0.6, 0.7])
+    metrics = keras_duq.ood_metrics(in_certainty, ood_certainty)
+    assert metrics["fpr_at_95_tpr"] == 0.0
+
+
+def test_ood_metrics_ties_are_chance():
+    metrics = keras_duq.ood_metrics([0.5, 0.5], [0.5, 0.5])
+    assert metrics["auroc"] == 0.5
+    assert metrics["fpr_at_95_tpr"] == 1.0
+
+
+@pytest.mark.parametrize(
+    "in_certainty, ood_certainty, match",
+    [
+        (np.ones((3, 2)), np.ones(3), "certainty_scores"),
+        (np.ones(3), [], "non-empty"),
+        (np.ones(3), [np.inf], "infinite"),
+    ],
+)
+def test_ood_metrics_reject_bad_input(in_certainty, ood_certainty, match):
+    with pytest.raises(ValueError, match=match):
+        keras_duq.ood_metrics(in_certainty, ood_certainty)
+
+
+# ---------------------------------------------------- misclassification_auroc
+
+
+def test_misclassification_auroc_by_hand():
+    certainty = [0.9, 0.4, 0.5, 0.2]
+    correct = [True, True, False, False]
+    # Correct above wrong in 3 of the 4 (correct, wrong) pairs.
+    assert keras_duq.misclassification_auroc(certainty, correct) == 0.75
+    assert keras_duq.misclassification_auroc(certainty, [1, 1, 0, 0]) == 0.75
+
+
+def test_misclassification_auroc_matches_sklearn():
+    rng = np.random.default_rng(2)
+    correct = rng.random(400) < 0.8
+    certainty = rng.normal(correct.astype(float), 1.0)
+    assert keras_duq.misclassification_auroc(certainty, correct) == pytest.approx(
+        sk_metrics.roc_auc_score(correct, certainty)
+    )
+
+
+@pytest.mark.parametrize(
+    "correct, match",
+    [
+        ([True, True, True], "all predictions are correct"),
+        ([True, False], r"shape \(3,\)"),
+        ([0, 2, 1], "booleans"),
+    ],
+)
+def test_misclassification_auroc_rejects_bad_input(correct, match):
+    with pytest.raises(ValueError, match=match):
+        keras_duq.misclassification_auroc([0.1, 0.2, 0.3], correct)
+
+
+# ------------------------------------------------------------ rejection_curve
+
+
+def test_rejection_curve_by_hand():
+    # Pooled, least certain first: 0.1 OoD, 0.3 wrong, 0.6 right, 0.7 OoD,
+    # 0.8 right, 0.9 right. 3 of the 6 are right.
+    curve = keras_duq.rejection_curve(
+        in_certainty=[0.9, 0.8, 0.3, 0.6],
+        in_correct=[True, True, False, True],
+        ood_certainty=[0.1, 0.7],
+        num_points=7,
+    )
+    np.testing.assert_allclose(curve["rejected_fraction"], np.arange(7) / 6)
+    np.testing.assert_allclose(
+        curve["accuracy"], [3 / 6, 3 / 5, 3 / 4, 2 / 3, 2 / 2, 1 / 1, np.nan]
+    )
+    # The oracle rejects the 3 wrong ones first, then keeps 100%.
+    np.testing.assert_allclose(
+        curve["oracle_accuracy"], [3 / 6, 3 / 5, 3 / 4, 1, 1, 1, np.nan]
+    )
+
+
+def test_rejection_curve_without_ood_starts_at_accuracy():
+    curve = keras_duq.rejection_curve([0.2, 0.9, 0.8, 0.7], [0, 1, 1, 1], num_points=5)
+    np.testing.assert_allclose(curve["accuracy"], [0.75, 1, 1, 1, np.nan])
+
+
+def test_rejection_curve_splits_ties_evenly():
+    # Rejecting one of two equally certain examples (one right, one wrong)
+    # keeps half a right one on average, not whichever sorts first.
+    curve = keras_duq.rejection_curve([0.5, 0.5], [True, False], num_points=3)
+    np.testing.assert_allclose(curve["accuracy"], [0.5, 0.5, np.nan])
+    curve = keras_duq.rejection_curve([0.5, 0.5], [False, True], num_points=3)
+    np.testing.assert_allclose(curve["accuracy"], [0.5, 0.5, np.nan])
+
+
+def test_rejection_curve_never_beats_oracle():
+    rng = np.random.default_rng(3)
+    correct = rng.random(300) < 0.9
+    curve = keras_duq.rejection_curve(
+        rng.random(300), correct, ood_certainty=rng.random(100)
+    )
+    assert len(curve["accuracy"]) == 101
+    assert np.all(curve["accuracy"][:-1] <= curve["oracle_accuracy"][:-1] + 1e-12)
+
+
+def test_rejection_curve_rejects_bad_num_points():
+    with pytest.raises(ValueError, match="num_points"):
+        keras_duq.rejection_curve([0.5], [True], num_points=1)
+
+
+# ---------------------------------------------------------- OODEvaluation
+
+
+def _moons(n, seed):
+    x, y = sk_datasets.make_moons(n, noise=0.1, random_state=seed)
+    return x.astype("float32"), y.astype("int32")
+
+
+def _far_points(n, seed):
+    # Points well away from both moons: out of distribution.
+    rng = np.random.default_rng(seed)
+    return rng.uniform(6.0, 8.0, (n, 2)).astype("float32")
+
+
+def test_callback_logs_land_in_history_duq():
+    keras.utils.set_random_seed(0)
+    x_train, y_train = _moons(256, 0)
+    x_test, y_test = _moons(128, 1)
+    backbone = keras.Sequential(
+        [keras.Input((2,)), keras.layers.Dense(16, activation="relu")]
+    )
+    model = keras_duq.wrap(backbone, num_classes=2, length_scale=0.3)
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9))
+    evaluation = keras_duq.OODEvaluation(
+        in_distribution=(x_test, y_test),
+        out_of_distribution=_far_points(64, 2),
+        every_n_epochs=2,
+    )
+    seen = []
+    history = model.fit(
+        x_train,
+        y_train,
+        epochs=3,
+        batch_size=64,
+        verbose=0,
+        # A later callback sees the new values, as TensorBoard does.
+        callbacks=[
+            evaluation,
+            keras.callbacks.LambdaCallback(
+                on_epoch_end=lambda epoch, logs: seen.append(dict(logs))
+            ),
+        ],
+    )
+    keys = [
+        "ood_auroc",
+        "ood_aupr",
+        "ood_fpr_at_95_tpr",
+        "ood_in_distribution_accuracy",
+        "ood_misclassification_auroc",
+    ]
+    # Evaluated after epoch 2 (every_n_epochs) and epoch 3 (the last).
+    assert evaluation.history["epoch"] == [1, 2]
+    for key in keys:
+        assert len(history.history[key]) == 2, key
+        assert history.history[key] == evaluation.history[key]
+    assert 0.0 <= history.history["ood_auroc"][-1] <= 1.0
+    assert 0.0 <= history.history["ood_in_distribution_accuracy"][-1] <= 1.0
+    assert "ood_auroc" not in seen[0]
+    assert seen[2]["ood_auroc"] == history.history["ood_auroc"][-1]
+
+
+def test_callback_csv_logger_every_epoch(tmp_path):
+    x_train, y_train = _moons(64, 0)
+    model = keras.Sequential(
+        [keras.Input((2,)), keras.layers.Dense(2, activation="softmax")]
+    )
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    csv_path = tmp_path / "log.csv"
+    callbacks = [
+        keras_duq.OODEvaluation(x_train, _far_points(32, 1), every_n_epochs=1),
+        keras.callbacks.CSVLogger(str(csv_path)),
+    ]
+    history = model.fit(x_train, y_train, epochs=2, verbose=0, callbacks=callbacks)
+    with open(csv_path) as file:
+        rows = list(csv.DictReader(file))
+    assert [float(row["ood_auroc"]) for row in rows] == pytest.approx(
+        history.history["ood_auroc"]
+    )
+
+
+def test_callback_with_softmax_model_and_datasets():
+    keras.utils.set_random_seed(0)
+    x_train, y_train = _moons(256, 0)
+    x_test, y_test = _moons(100, 1)
+    model = keras.Sequential(
+        [
+            keras.Input((2,)),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dense(2, activation="softmax"),
+        ]
+    )
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    # A shuffled labelled dataset: scores and labels must stay paired.
+    in_distribution = (
+        tf.data.Dataset.from_tensor_slices((x_test, y_test)).shuffle(100).batch(32)
+    )
+    out_of_distribution = tf.data.Dataset.from_tensor_slices(_far_points(50, 2)).batch(32)
+    evaluation = keras_duq.OODEvaluation(
+        in_distribution,
+        out_of_distribution,
+        every_n_epochs=1,
+        method="negative_entropy",
+        prefix="mnist_",
+    )
+    history = model.fit(
+        x_train, y_train, epochs=2, batch_size=64, verbose=0, callbacks=[evaluation]
+    )
+    for key in ("mnist_auroc", "mnist_aupr", "mnist_fpr_at_95_tpr"):
+        assert len(history.history[key]) == 2
+    # The paired accuracy matches a plain evaluation of the same data.
+    predictions = model.predict(x_test, verbose=0).argmax(axis=1)
+    assert history.history["mnist_in_distribution_accuracy"][-1] == pytest.approx(
+        np.mean(predictions == y_test)
+    )
+
+
+def test_callback_without_labels_logs_only_ood_metrics():
+    model = keras.Sequential(
+        [keras.Input((2,)), keras.layers.Dense(3, activation="softmax")]
+    )
+    evaluation = keras_duq.OODEvaluation(_moons(40, 0)[0], _far_points(40, 1))
+    evaluation.set_model(model)
+    assert set(evaluation.evaluate()) == {"ood_auroc", "ood_aupr", "ood_fpr_at_95_tpr"}
+
+
+def test_callback_with_tensorboard_after_it(tmp_path):
+    pytest.importorskip("tensorboard")
+    x_train, y_train = _moons(64, 0)
+    model = keras.Sequential(
+        [keras.Input((2,)), keras.layers.Dense(2, activation="softmax")]
+    )
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    callbacks = [
+        keras_duq.OODEvaluation(x_train, _far_points(32, 1), every_n_epochs=1),
+        keras.callbacks.TensorBoard(str(tmp_path)),
+    ]
+    model.fit(x_train, y_train, epochs=1, verbose=0, callbacks=callbacks)
+    tags = set()
+    for path in (tmp_path / "train").glob("events.out.tfevents.*"):
+        for record in tf.data.TFRecordDataset(str(path)):
+            event = tf.compat.v1.Event.FromString(record.numpy())
+            tags.update(value.tag for value in event.summary.value)
+    assert "epoch_ood_auroc" in tags
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"every_n_epochs": 0}, "every_n_epochs"),
+        ({"method": "entropy"}, "method"),
+        ({"in_distribution": (np.ones((3, 2)), np.ones(2))}, "labels"),
+        ({"in_distribution": (np.ones((3, 2)),)}, "tuple of length 1"),
+        ({"out_of_distribution": "mnist"}, "type str"),
+    ],
+)
+def test_callback_rejects_bad_arguments(kwargs, match):
+    arguments = {
+        "in_distribution": np.ones((3, 2)),
+        "out_of_distribution": np.ones((3, 2)),
+        **kwargs,
+    }
+    with pytest.raises(ValueError, match=match):
+        keras_duq.OODEvaluation(**arguments)

@@ -1,0 +1,145 @@
+"""The DUQ math, checked against direct numpy transcriptions of the paper."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_duq import _ops
+
+
+def _rng():
+    return np.random.default_rng(0)
+
+
+def test_squared_distances_is_mean_over_centroid_dims():
+    rng = _rng()
+    embeddings = rng.normal(size=(4, 5, 3)).astype("float32")
+    centroids = rng.normal(size=(5, 3)).astype("float32")
+    expected = np.array(
+        [
+            [np.mean((embeddings[b, :, c] - centroids[:, c]) ** 2) for c in range(3)]
+            for b in range(4)
+        ]
+    )
+    got = _ops.squared_distances(embeddings, centroids)
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+
+
+def test_log_kernel_values_match_rbf_formula():
+    distances = np.array([[0.0, 0.01, 0.5]], dtype="float32")
+    length_scale = 0.1
+    got = np.exp(_ops.log_kernel_values(distances, length_scale))
+    np.testing.assert_allclose(got, np.exp(-distances / (2 * 0.1**2)), rtol=1e-5)
+
+
+def test_binary_cross_entropy_matches_textbook_formula():
+    rng = _rng()
+    log_kernel = -rng.uniform(0.01, 5.0, size=(6, 4)).astype("float32")
+    labels = np.eye(4, dtype="float32")[rng.integers(0, 4, size=6)]
+    kernel = np.exp(log_kernel.astype("float64"))
+    expected = -np.mean(
+        labels * np.log(kernel) + (1 - labels) * np.log(1 - kernel), axis=-1
+    )
+    got = _ops.binary_cross_entropy(log_kernel, labels)
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+
+
+def test_binary_cross_entropy_keeps_gradient_when_kernels_saturate():
+    # Kernel values of exp(-200) underflow to 0 in float32. Keras's clipped
+    # binary_crossentropy then gives the true class no gradient; the
+    # log-space loss must still pull the true class towards its centroid.
+    log_kernel = tf.Variable([[-200.0, -300.0]])
+    labels = tf.constant([[1.0, 0.0]])
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(_ops.binary_cross_entropy(log_kernel, labels))
+    gradient = tape.gradient(loss, log_kernel).numpy()
+    assert np.isfinite(loss.numpy())
+    np.testing.assert_allclose(gradient[0, 0], -0.5, rtol=1e-6)
+
+    with tf.GradientTape() as tape:
+        clipped = tf.reduce_mean(
+            keras.losses.binary_crossentropy(labels, tf.exp(log_kernel))
+        )
+    clipped_gradient = tape.gradient(clipped, log_kernel).numpy()
+    assert clipped_gradient[0, 0] == 0.0
+
+
+def test_binary_cross_entropy_is_finite_at_zero_distance():
+    log_kernel = tf.constant([[0.0, 0.0]])
+    labels = tf.constant([[1.0, 0.0]])
+    assert np.isfinite(_ops.binary_cross_entropy(log_kernel, labels).numpy()).all()
+
+
+def test_gradient_norms_flatten_all_inputs_per_example():
+    rng = _rng()
+    first = rng.normal(size=(3, 2, 2)).astype("float32")
+    second = rng.normal(size=(3, 5)).astype("float32")
+    expected = np.sqrt(
+        (first.reshape(3, -1) ** 2).sum(1) + (second**2).sum(1)
+    )
+    got = _ops.gradient_norms([first, None, second])
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+
+
+def test_gradient_norms_are_safe_at_zero():
+    gradient = tf.Variable(tf.zeros((4, 3)))
+    with tf.GradientTape() as tape:
+        penalty = tf.reduce_mean(
+            _ops.gradient_penalty(_ops.gradient_norms([gradient]))
+        )
+    outer = tape.gradient(penalty, gradient)
+    assert penalty.numpy() == pytest.approx(1.0)
+    assert np.isfinite(outer.numpy()).all()
+
+
+def test_gradient_norms_need_some_gradient():
+    with pytest.raises(ValueError, match="gradient_penalty=0"):
+        _ops.gradient_norms([None])
+
+
+def test_gradient_penalty_two_and_one_sided():
+    norms = np.array([0.0, 0.5, 1.0, 3.0], dtype="float32")
+    np.testing.assert_allclose(
+        _ops.gradient_penalty(norms, "two_sided"), [1.0, 0.25, 0.0, 4.0]
+    )
+    np.testing.assert_allclose(
+        _ops.gradient_penalty(norms, "one_sided"), [0.0, 0.0, 0.0, 4.0]
+    )
+
+
+def test_unknown_penalty_lists_valid_options():
+    with pytest.raises(ValueError, match="two_sided.*one_sided.*Received"):
+        _ops.validate_penalty("both_sided")
+
+
+def test_centroid_statistics_and_moving_average_match_paper():
+    rng = _rng()
+    embeddings = rng.normal(size=(5, 4, 3)).astype("float32")
+    labels = np.array([0, 2, 2, 1, 2])
+    one_hot = np.eye(3, dtype="float32")[labels]
+    counts, sums = _ops.centroid_statistics(embeddings, one_hot)
+    np.testing.assert_allclose(counts, [1, 1, 3])
+    for c in range(3):
+        np.testing.assert_allclose(
+            sums[:, c], embeddings[labels == c, :, c].sum(0), rtol=1e-6
+        )
+    old_counts = np.full(3, 12.0, dtype="float32")
+    new_counts = _ops.moving_average(old_counts, counts, 0.9)
+    np.testing.assert_allclose(new_counts, 0.9 * 12 + 0.1 * np.array([1, 1, 3]))
+    old_sums = rng.normal(size=(4, 3)).astype("float32")
+    new_sums = _ops.moving_average(old_sums, sums, 0.9)
+    np.testing.assert_allclose(
+        _ops.centroids(new_counts, new_sums),
+        (0.9 * old_sums + 0.1 * np.asarray(sums)) / np.asarray(new_counts),
+        rtol=1e-5,
+    )
+
+
+def test_coupled_weight_decay_gradient_is_weight_decay_times_weight():
+    weights = [tf.Variable([[1.0, -2.0]]), tf.Variable([3.0])]
+    with tf.GradientTape() as tape:
+        loss = _ops.coupled_weight_decay_loss(weights, 1e-4)
+    gradients = tape.gradient(loss, weights)
+    for weight, gradient in zip(weights, gradients):
+        np.testing.assert_allclose(gradient, 1e-4 * weight.numpy(), rtol=1e-6)
