@@ -320,11 +320,18 @@ def evaluate(models, method, test, x_ood, validation=None) -> dict:
     """Accuracy, OoD metrics and rejection curve; certainties for the plots."""
     x_test, y_test = test
     test_scores = predict(models, x_test)
+    ood_scores = predict(models, x_ood)
     in_certainty = keras_duq.certainty_scores(test_scores, method)
-    ood_certainty = keras_duq.certainty_scores(predict(models, x_ood), method)
+    ood_certainty = keras_duq.certainty_scores(ood_scores, method)
     correct = test_scores.argmax(axis=1) == y_test
     results = {"accuracy": float(correct.mean())}
     results.update(keras_duq.ood_metrics(in_certainty, ood_certainty))
+    if method != "max":
+        # Also the maximum softmax probability, the other usual certainty.
+        results["auroc_max_probability"] = keras_duq.ood_metrics(
+            keras_duq.certainty_scores(test_scores),
+            keras_duq.certainty_scores(ood_scores),
+        )["auroc"]
     results["misclassification_auroc"] = keras_duq.misclassification_auroc(
         in_certainty, correct
     )
@@ -401,12 +408,6 @@ def main(argv=None) -> dict:
     results, in_certainty, ood_certainty, curve = evaluate(
         models, method, test, x_ood, validation
     )
-    if args.model != "duq":
-        # Also the maximum softmax probability, the other usual certainty.
-        results["auroc_max_probability"] = keras_duq.ood_metrics(
-            keras_duq.certainty_scores(predict(models, test[0])),
-            keras_duq.certainty_scores(predict(models, x_ood)),
-        )["auroc"]
     label = {"duq": "DUQ", "softmax": "softmax", "ensemble": "deep ensemble"}[args.model]
     figures = save_figures(
         args.output_dir, label, in_certainty, ood_certainty, curve, method

@@ -77,6 +77,9 @@ def build_model(gradient_penalty=1.0):
 
 def run(seed, gradient_penalty=1.0, epochs=30, output_dir=None, verbose=0):
     """Trains one model; returns its metrics (and writes the map if asked)."""
+    # A fresh Keras state per run, so a seed gives the same model whether it
+    # runs alone or after other seeds in this process.
+    keras.backend.clear_session()
     keras.utils.set_random_seed(seed)
     (x_train, y_train), (x_test, y_test), x_far = make_data(seed)
     model = build_model(gradient_penalty)

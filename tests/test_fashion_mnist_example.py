@@ -41,8 +41,11 @@ def test_duq_smoke_run_learns(tmp_path, mnist_dir, fashion_mnist_dir):
             "--verbose", "0",
         ]
     )
-    # Measured with these settings, seeds 0 / 1 / 2: accuracy 0.xxx / 0.xxx /
-    # 0.xxx, AUROC vs. MNIST 0.xxx / 0.xxx / 0.xxx.
+    # Measured with these settings, seeds 0 / 1 / 2: accuracy 0.797 / 0.785 /
+    # 0.793, AUROC vs. MNIST 0.927 / 0.881 / 0.895 (wall time 100-160 s on 2
+    # busy CPU cores). The thresholds leave room for other seeds and
+    # platforms while failing a model that learned nothing (0.1 / 0.5) or
+    # whose certainty has the wrong sign (AUROC near 0).
     assert results["accuracy"] >= 0.6
     assert results["auroc"] >= 0.75
     assert results["num_train"] == 3000 and results["steps_per_epoch"] == 47

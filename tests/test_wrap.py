@@ -1,0 +1,139 @@
+"""wrap(): every kind of Keras backbone wraps and trains one step."""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_duq
+
+
+def _train_one_step(model, x, num_classes):
+    model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9))
+    y = np.arange(len(x)) % num_classes
+    before = model.duq_output.centroid_counts.numpy().copy()
+    logs = model.train_on_batch(x, y, return_dict=True)
+    assert np.isfinite(list(logs.values())).all()
+    assert not np.array_equal(before, model.duq_output.centroid_counts.numpy())
+    predictions = model.predict(x, verbose=0)
+    assert predictions.shape == (len(x), num_classes)
+    return logs
+
+
+def _images(n=4, size=8, channels=1):
+    return np.random.default_rng(0).normal(size=(n, size, size, channels)).astype("float32")
+
+
+def test_sequential_backbone():
+    backbone = keras.Sequential(
+        [
+            keras.Input((8, 8, 1)),
+            keras.layers.Conv2D(4, 3, activation="relu"),
+            keras.layers.BatchNormalization(),
+            keras.layers.GlobalAveragePooling2D(),
+        ]
+    )
+    model = keras_duq.wrap(backbone, num_classes=3)
+    assert model.feature_extractor.layers[-1] is backbone
+    assert model.duq_output.centroids.shape == (4, 3)  # centroid_dims = features
+    _train_one_step(model, _images(), 3)
+
+
+def test_functional_backbone_and_arguments_reach_the_parts():
+    inputs = keras.Input((5,))
+    features = keras.layers.Dense(6, activation="relu")(inputs)
+    backbone = keras.Model(inputs, features)
+    model = keras_duq.wrap(
+        backbone,
+        num_classes=4,
+        centroid_dims=3,
+        length_scale=0.2,
+        momentum=0.95,
+        gradient_penalty=0.3,
+        penalty="one_sided",
+        weight_decay=1e-3,
+    )
+    head = model.duq_output
+    assert (head.num_classes, head.centroid_dims, head.length_scale, head.momentum) == (4, 3, 0.2, 0.95)
+    assert (model.gradient_penalty, model.penalty, model.weight_decay) == (0.3, "one_sided", 1e-3)
+    x = np.random.default_rng(0).normal(size=(8, 5)).astype("float32")
+    _train_one_step(model, x, 4)
+
+
+def test_subclassed_backbone_needs_input_shape():
+    class Backbone(keras.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.dense = keras.layers.Dense(6, activation="relu")
+
+        def call(self, inputs):
+            return self.dense(inputs)
+
+    with pytest.raises(ValueError, match="input_shape"):
+        keras_duq.wrap(Backbone(), num_classes=2)
+    model = keras_duq.wrap(Backbone(), num_classes=2, input_shape=(5,))
+    x = np.random.default_rng(0).normal(size=(4, 5)).astype("float32")
+    _train_one_step(model, x, 2)
+
+
+def test_keras_applications_backbone():
+    backbone = keras.applications.ResNet50(
+        weights=None, include_top=False, pooling="avg", input_shape=(32, 32, 3)
+    )
+    model = keras_duq.wrap(backbone, num_classes=2, centroid_dims=16)
+    _train_one_step(model, _images(n=2, size=32, channels=3), 2)
+
+
+def test_frozen_backbone_trains_only_the_head():
+    backbone = keras.Sequential(
+        [keras.Input((5,)), keras.layers.Dense(6, activation="relu")]
+    )
+    backbone.trainable = False
+    frozen = [w.numpy().copy() for w in backbone.weights]
+    model = keras_duq.wrap(backbone, num_classes=2)
+    head_kernel = model.duq_output.kernel.numpy().copy()
+    x = np.random.default_rng(0).normal(size=(8, 5)).astype("float32")
+    _train_one_step(model, x, 2)
+    for old, new in zip(frozen, backbone.weights):
+        np.testing.assert_array_equal(old, new.numpy())
+    assert not np.array_equal(head_kernel, model.duq_output.kernel.numpy())
+
+
+@pytest.mark.parametrize("kind", ["conv1d", "gru"])
+def test_sequence_backbone(kind):
+    layers = [keras.Input((12, 3))]
+    if kind == "conv1d":
+        layers += [keras.layers.Conv1D(4, 3, activation="relu"), keras.layers.GlobalAveragePooling1D()]
+    else:
+        layers += [keras.layers.GRU(5)]
+    model = keras_duq.wrap(keras.Sequential(layers), num_classes=3)
+    x = np.random.default_rng(0).normal(size=(6, 12, 3)).astype("float32")
+    _train_one_step(model, x, 3)
+
+
+def test_feature_maps_are_rejected_with_the_layer_to_add():
+    backbone = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Conv2D(4, 3)])
+    with pytest.raises(ValueError, match="GlobalAveragePooling2D.*Flatten"):
+        keras_duq.wrap(backbone, num_classes=3)
+
+
+def test_several_outputs_are_rejected():
+    inputs = keras.Input((4,))
+    backbone = keras.Model(inputs, [keras.layers.Dense(2)(inputs), keras.layers.Dense(3)(inputs)])
+    with pytest.raises(ValueError, match="single feature tensor"):
+        keras_duq.wrap(backbone, num_classes=3)
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"num_classes": 1}, "num_classes"),
+        ({"num_classes": 3, "length_scale": 0}, "length_scale"),
+        ({"num_classes": 3, "momentum": 1.5}, "momentum"),
+        ({"num_classes": 3, "gradient_penalty": -0.1}, "gradient_penalty"),
+        ({"num_classes": 3, "penalty": "three_sided"}, "penalty"),
+    ],
+)
+def test_bad_arguments(kwargs, name):
+    backbone = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    with pytest.raises(ValueError, match=f"(?s){name}.*Received"):
+        keras_duq.wrap(backbone, **kwargs)
