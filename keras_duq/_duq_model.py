@@ -151,8 +151,7 @@ class DUQModel(keras.Model):
             scaled = self.optimizer.scale_loss(scaled)
         gradients = tape.gradient(scaled, trainable_weights)
         self.optimizer.apply(gradients, trainable_weights)
-        features = self.feature_extractor(x, training=False)
-        self.duq_output.update_centroids(features, labels_one_hot)
+        self._update_centroids_after_step(x, labels_one_hot, gradients)
         return self._update_metrics(
             x, y, sample_weight, log_kernel, penalty, objective, bce, labels_one_hot
         )
@@ -170,6 +169,22 @@ class DUQModel(keras.Model):
         )
 
     # -------------------------------------------------------------- helpers
+
+    def _update_centroids_after_step(self, x, labels_one_hot, gradients):
+        def update():
+            features = self.feature_extractor(x, training=False)
+            self.duq_output.update_centroids(features, labels_one_hot)
+            return tf.constant(True)
+
+        if not isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
+            update()
+            return
+        # A loss-scaled step whose gradients overflowed is skipped by the
+        # optimizer; the centroids must skip it too.
+        finite = tf.reduce_all(
+            [tf.reduce_all(tf.math.is_finite(g)) for g in gradients if g is not None]
+        )
+        tf.cond(finite, update, lambda: tf.constant(False))
 
     def _log_kernel_and_penalty(self, x, training):
         """Forward pass; with the penalty on, also the per-example penalty."""

@@ -334,6 +334,27 @@ def test_integer_only_inputs_need_penalty_off():
     model.fit(x, np.arange(16) % 2, epochs=1, verbose=0)
 
 
+def test_overflowing_loss_scaled_step_is_skipped_with_centroids():
+    model = _model()
+    model.compile(
+        optimizer=keras.optimizers.LossScaleOptimizer(
+            keras.optimizers.SGD(0.05), initial_scale=3e38
+        )
+    )
+    x, y = _data()
+    model.optimizer.build(model.trainable_weights)
+    state = _state(model)
+    # Far-away inputs give a loss > 1e3, so 3e38 * loss overflows float32.
+    model.train_on_batch(1e3 * x, y)
+    _assert_state_equal(model, state)
+    assert float(model.optimizer.dynamic_scale) < 3e38
+    # With ordinary inputs the scaled gradients are finite again: the step
+    # and the centroid update both apply.
+    counts = model.duq_output.centroid_counts.numpy().copy()
+    model.train_on_batch(x, y)
+    assert not np.array_equal(counts, model.duq_output.centroid_counts.numpy())
+
+
 # ----------------------------------------------------------------- saving
 
 
