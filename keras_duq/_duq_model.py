@@ -332,6 +332,80 @@ class DUQModel(keras.Model):
         ]
         return tf.one_hot(y, num_classes, dtype="float32"), checks
 
+    # ---------------------------------------------------------------- export
+
+    def export(
+        self,
+        filepath,
+        format="tf_saved_model",
+        verbose=None,
+        input_signature=None,
+        **kwargs,
+    ):
+        """Exports a SavedModel for TF Serving (Keras's `Model.export`).
+
+        With `format="tf_saved_model"` (the default) the `serving_default`
+        signature (also callable as `serve`) takes the model's input(s), with
+        a free batch dimension, and returns a dict:
+
+        - `kernel_values`: `(batch, num_classes)` float32 kernel values;
+        - `predictions`: `(batch,)` int64 predicted class (argmax);
+        - `certainty`: `(batch,)` float32 max kernel value.
+
+        Loading it needs only TensorFlow (`tf.saved_model.load`). Other
+        formats are passed to `keras.Model.export` unchanged.
+
+        Example:
+
+        ```python
+        model.export("duq_savedmodel")
+        reloaded = tf.saved_model.load("duq_savedmodel")
+        outputs = reloaded.signatures["serving_default"](inputs=x)
+        ```
+
+        Args:
+            filepath: directory to write the SavedModel to.
+            format: `"tf_saved_model"` (default) or another format that
+                `keras.Model.export` supports.
+            verbose: whether to print a summary of the export.
+            input_signature: optional structure of `tf.TensorSpec` for the
+                inputs; defaults to the model's inputs with a free batch size.
+            **kwargs: passed to `keras.Model.export` for other formats.
+        """
+        if format != "tf_saved_model":
+            return super().export(
+                filepath,
+                format=format,
+                verbose=verbose,
+                input_signature=input_signature,
+                **kwargs,
+            )
+        if input_signature is None:
+            input_signature = [
+                keras.tree.map_structure(
+                    lambda t: tf.TensorSpec(
+                        (None,) + tuple(t.shape[1:]), t.dtype, name=_input_name(t)
+                    ),
+                    self.feature_extractor.input,
+                )
+            ]
+
+        def serve(inputs):
+            features = self.feature_extractor(inputs, training=False)
+            log_kernel = self.duq_output.log_kernel_values(features)
+            kernel_values = tf.exp(log_kernel)
+            return {
+                "kernel_values": kernel_values,
+                # From log K: far inputs underflow every K to 0, not log K.
+                "predictions": tf.argmax(log_kernel, axis=-1),
+                "certainty": tf.reduce_max(kernel_values, axis=-1),
+            }
+
+        archive = keras.export.ExportArchive()
+        archive.track(self)
+        archive.add_endpoint("serve", serve, input_signature)
+        archive.write_out(filepath, verbose=True if verbose is None else verbose)
+
     # -------------------------------------------------------- serialization
 
     def get_config(self):
@@ -379,6 +453,12 @@ def _find_duq_output(outputs):
             f"`keras_duq.wrap(backbone, num_classes)`. Received: `outputs={outputs!r}`"
         )
     return layer
+
+
+def _input_name(tensor):
+    """The input layer's name: the key TF Serving requests use."""
+    history = getattr(tensor, "_keras_history", None)
+    return history[0].name if history else "inputs"
 
 
 def _check_non_negative(name, value):
