@@ -60,7 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--model", choices=("duq", "softmax", "ensemble"), default="duq")
+    parser.add_argument(
+        "--model", choices=("duq", "softmax", "ensemble"), default="duq"
+    )
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument(
@@ -401,14 +403,18 @@ def main(argv=None) -> dict:
             args, test, x_ood, method,
             log_dir if num_models == 1 else os.path.join(log_dir, f"member_{index}"),
         )
-        histories.append(train(model, train_data, args, steps_per_epoch, seed, callbacks))
+        histories.append(
+            train(model, train_data, args, steps_per_epoch, seed, callbacks)
+        )
         models.append(model)
     train_time = time.perf_counter() - train_start
 
     results, in_certainty, ood_certainty, curve = evaluate(
         models, method, test, x_ood, validation
     )
-    label = {"duq": "DUQ", "softmax": "softmax", "ensemble": "deep ensemble"}[args.model]
+    label = {"duq": "DUQ", "softmax": "softmax", "ensemble": "deep ensemble"}[
+        args.model
+    ]
     figures = save_figures(
         args.output_dir, label, in_certainty, ood_certainty, curve, method
     )
@@ -425,7 +431,10 @@ def main(argv=None) -> dict:
             "train_time_s": train_time,
             "wall_time_s": time.perf_counter() - start,
             "settings": vars(args),
-            "versions": {"keras": keras.__version__, "keras_duq": keras_duq.__version__},
+            "versions": {
+                "keras": keras.__version__,
+                "keras_duq": keras_duq.__version__,
+            },
             "history": histories[0] if num_models == 1 else histories,
             "rejection_curve": {k: [float(v) for v in vs] for k, vs in curve.items()},
             "figures": figures,

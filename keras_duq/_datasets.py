@@ -241,7 +241,11 @@ def make_dataset(
     Returns:
         A `tf.data.Dataset`.
     """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+    if (
+        isinstance(batch_size, bool)
+        or not isinstance(batch_size, int)
+        or batch_size < 1
+    ):
         raise ValueError(
             "Expected `batch_size` to be an integer >= 1. "
             f"Received: `batch_size={batch_size!r}`"

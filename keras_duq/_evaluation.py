@@ -210,11 +210,7 @@ def rejection_curve(
         `"accuracy"` and `"oracle_accuracy"`. At a fraction of `1` nothing is
         kept and both accuracies are `nan`.
     """
-    if isinstance(num_points, bool) or not isinstance(num_points, int) or num_points < 2:
-        raise ValueError(
-            "Expected `num_points` to be an integer >= 2. "
-            f"Received: `num_points={num_points!r}`"
-        )
+    _check_int("num_points", num_points, minimum=2)
     certainty = _as_certainty("in_certainty", in_certainty)
     correct = _as_correct("in_correct", in_correct, len(certainty)).astype("float64")
     if ood_certainty is not None:
@@ -300,13 +296,15 @@ class OODEvaluation(keras.callbacks.Callback):
             `tf.data.Dataset` yielding `x` or `(x, y)` (as in `fit`, a tuple
             element is read as `(x, y)` or `(x, y, sample_weight)`).
         out_of_distribution: OoD data: a numpy array `x` or a batched
-            `tf.data.Dataset` (labels, if any, are ignored).
+            `tf.data.Dataset` (labels, if any, are ignored). Datasets are
+            read into memory at each evaluation, so keep the sets at test
+            set size.
         every_n_epochs: int >= 1, evaluate after every this many epochs.
             Defaults to `5`.
         method: `"max"` (default) or `"negative_entropy"`, see
             `certainty_scores`.
         prefix: str, prepended to every logged key. Defaults to `"ood_"`.
-        batch_size: int, batch size for numpy inputs. Defaults to `256`.
+        batch_size: int, batch size of the predictions. Defaults to `256`.
     """
 
     def __init__(
@@ -319,15 +317,7 @@ class OODEvaluation(keras.callbacks.Callback):
         batch_size: int = 256,
     ):
         super().__init__()
-        if (
-            isinstance(every_n_epochs, bool)
-            or not isinstance(every_n_epochs, int)
-            or every_n_epochs < 1
-        ):
-            raise ValueError(
-                "Expected `every_n_epochs` to be an integer >= 1 (1 evaluates "
-                f"after every epoch). Received: `every_n_epochs={every_n_epochs!r}`"
-            )
+        _check_int("every_n_epochs", every_n_epochs, minimum=1)
         if method not in CERTAINTY_METHODS:
             raise ValueError(
                 f"Unknown certainty method. Expected one of {CERTAINTY_METHODS}. "
@@ -337,11 +327,7 @@ class OODEvaluation(keras.callbacks.Callback):
             raise ValueError(
                 f"Expected `prefix` to be a string. Received: `prefix={prefix!r}`"
             )
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(
-                "Expected `batch_size` to be an integer >= 1. "
-                f"Received: `batch_size={batch_size!r}`"
-            )
+        _check_int("batch_size", batch_size, minimum=1)
         self.in_distribution = _check_data("in_distribution", in_distribution)
         self.out_of_distribution = _check_data(
             "out_of_distribution", out_of_distribution
@@ -391,17 +377,22 @@ class OODEvaluation(keras.callbacks.Callback):
             x, y = data if isinstance(data, tuple) else (data, None)
             scores = self.model.predict(x, batch_size=self.batch_size, verbose=0)
             return scores, None if y is None else _as_labels(y)
-        # One pass yields scores and labels together: a dataset that
-        # reshuffles on every iteration would pair them wrongly over two.
-        score_batches, label_batches = [], []
+        # Inputs and labels are read in one pass: a dataset that reshuffles
+        # on every iteration would pair them wrongly over two passes. One
+        # `predict` call on the result then traces its function once, where
+        # batch-by-batch prediction would retrace on the smaller last batch.
+        input_batches, label_batches = [], []
         for element in data:
             x, y, _ = keras.utils.unpack_x_y_sample_weight(element)
-            score_batches.append(np.asarray(self.model.predict_on_batch(x)))
+            input_batches.append(keras.tree.map_structure(np.asarray, x))
             if y is not None:
                 label_batches.append(np.asarray(y))
-        if not score_batches:
+        if not input_batches:
             raise ValueError("The dataset passed to `OODEvaluation` is empty.")
-        scores = np.concatenate(score_batches)
+        x = keras.tree.map_structure(
+            lambda *batches: np.concatenate(batches), *input_batches
+        )
+        scores = self.model.predict(x, batch_size=self.batch_size, verbose=0)
         labels = _as_labels(np.concatenate(label_batches)) if label_batches else None
         return scores, labels
 
@@ -475,6 +466,14 @@ def _as_correct(name, values, length):
             )
         values = values.astype(bool)
     return values
+
+
+def _check_int(name, value, minimum):
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(
+            f"Expected `{name}` to be an integer >= {minimum}. "
+            f"Received: `{name}={value!r}`"
+        )
 
 
 def _check_finite(name, values):

@@ -261,10 +261,7 @@ def plot_certainty_histograms(
     Returns:
         The `matplotlib.figure.Figure`.
     """
-    if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
-        raise ValueError(
-            f"Expected `bins` to be an integer >= 1. Received: `bins={bins!r}`"
-        )
+    _evaluation._check_int("bins", bins, minimum=1)
     in_certainty = _evaluation._as_certainty("in_certainty", in_certainty)
     ood_certainty = _evaluation._as_certainty("ood_certainty", ood_certainty)
     low = min(in_certainty.min(), ood_certainty.min())

@@ -20,7 +20,7 @@ import pytest  # noqa: E402
 
 def _existing(path):
     if not path.exists():
-        pytest.skip(f"Offline data not found at {path} (expected shared/ beside the repo).")
+        pytest.skip(f"No offline data at {path} (expected shared/ beside the repo).")
     return path
 
 

@@ -311,7 +311,8 @@ def test_callback_with_softmax_model_and_datasets():
     in_distribution = (
         tf.data.Dataset.from_tensor_slices((x_test, y_test)).shuffle(100).batch(32)
     )
-    out_of_distribution = tf.data.Dataset.from_tensor_slices(_far_points(50, 2)).batch(32)
+    out_of_distribution = tf.data.Dataset.from_tensor_slices(_far_points(50, 2))
+    out_of_distribution = out_of_distribution.batch(32)
     evaluation = keras_duq.OODEvaluation(
         in_distribution,
         out_of_distribution,
