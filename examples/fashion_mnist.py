@@ -394,6 +394,11 @@ def main(argv=None) -> dict:
     for index in range(num_models):
         # Ensemble members differ by their initialisation and data order.
         seed = args.seed + index
+        if index == 0:
+            # A fresh Keras state, so that a seed gives the same model
+            # whatever ran before in this process (Keras's global seed
+            # generator and layer name counters survive set_random_seed).
+            keras.backend.clear_session()
         keras.utils.set_random_seed(seed)
         if args.model == "duq":
             model = build_duq_model(args, steps_per_epoch)
