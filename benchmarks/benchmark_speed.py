@@ -89,16 +89,18 @@ def benchmark(name, make_backbone, input_shape, num_classes, batch_size):
     for kind in ("softmax", "duq_no_penalty", "duq_penalty"):
         keras.utils.set_random_seed(0)
         model = build(kind, make_backbone, num_classes)
-        step = median_seconds(lambda: model.train_on_batch(x, y))
+        step = median_seconds(lambda model=model: model.train_on_batch(x, y))
         results[f"train_step_s/{kind}"] = step
         results[f"train_examples_per_s/{kind}"] = batch_size / step
         if kind != "duq_penalty":  # inference does not depend on the penalty
             label = "duq" if kind.startswith("duq") else "softmax"
             results[f"infer_batch1_s/{label}"] = median_seconds(
-                lambda: model.predict_on_batch(x_infer[:1])
+                lambda model=model: model.predict_on_batch(x_infer[:1])
             )
             results[f"infer_batch1000_s/{label}"] = median_seconds(
-                lambda: model.predict_on_batch(x_infer), warmup=2, windows=3
+                lambda model=model: model.predict_on_batch(x_infer),
+                warmup=2,
+                windows=3,
             )
     ratios = {
         "train_duq_no_penalty/softmax": results["train_step_s/duq_no_penalty"]

@@ -8,6 +8,7 @@ from keras import ops
 
 from keras_duq import _ops
 from keras_duq._duq_output import DUQOutput
+from keras_duq._validation import check_non_negative
 
 DEFAULT_GRADIENT_PENALTY = 0.1
 DEFAULT_WEIGHT_DECAY = 1e-4
@@ -98,8 +99,8 @@ class DUQModel(keras.Model):
         weight_decay: float = DEFAULT_WEIGHT_DECAY,
         **kwargs,
     ):
-        _check_non_negative("gradient_penalty", gradient_penalty)
-        _check_non_negative("weight_decay", weight_decay)
+        check_non_negative("gradient_penalty", gradient_penalty)
+        check_non_negative("weight_decay", weight_decay)
         _ops.validate_penalty(penalty)
         duq_output = _find_duq_output(outputs)
         feature_extractor = keras.Model(
@@ -208,9 +209,8 @@ class DUQModel(keras.Model):
         if penalty is not None:
             per_example = bce + self.gradient_penalty * penalty
         if sample_weight is not None:
-            weights = ops.reshape(ops.cast(sample_weight, "float32"), (-1,))
-            per_example = per_example * weights
-            bce = bce * weights
+            per_example = per_example * sample_weight
+            bce = bce * sample_weight
         # Keras's "sum_over_batch_size": divide by the number of examples.
         return ops.mean(per_example), ops.mean(bce)
 
@@ -228,10 +228,7 @@ class DUQModel(keras.Model):
             ),
             "float32",
         )
-        weights = None
-        if sample_weight is not None:
-            weights = ops.reshape(ops.cast(sample_weight, "float32"), (-1,))
-        self._accuracy_tracker.update_state(correct, sample_weight=weights)
+        self._accuracy_tracker.update_state(correct, sample_weight=sample_weight)
         return self.compute_metrics(x, y, ops.exp(log_kernel), sample_weight)
 
     def _validate_batch(self, x, y, sample_weight):
@@ -243,6 +240,8 @@ class DUQModel(keras.Model):
         """
         self._check_compiled_without_loss()
         x = self._standardize_inputs(x)
+        if sample_weight is not None:
+            sample_weight = ops.reshape(ops.cast(sample_weight, "float32"), (-1,))
         labels_one_hot, checks = self._prepare_labels(y)
         checks += self._input_checks(x)
         if not checks:
@@ -459,13 +458,6 @@ def _input_name(tensor):
     """The input layer's name: the key TF Serving requests use."""
     history = getattr(tensor, "_keras_history", None)
     return history[0].name if history else "inputs"
-
-
-def _check_non_negative(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        raise ValueError(
-            f"Expected `{name}` to be a float >= 0. Received: `{name}={value!r}`"
-        )
 
 
 def _is_float(dtype):

@@ -7,6 +7,7 @@ import tensorflow as tf
 from keras import ops
 
 from keras_duq import _ops
+from keras_duq._validation import check_int
 
 DEFAULT_KERNEL_INITIALIZER = "he_normal"
 
@@ -77,8 +78,9 @@ class DUQOutput(keras.layers.Layer):
             (as in `BatchNormalization`). Defaults to `0.999`.
         kernel_initializer: initializer for `W`. Defaults to `"he_normal"`:
             scaled by the fan-in, so the projected features keep the scale of
-            the input features whatever their number (see the README for the
-            measurements behind this choice).
+            the input features whatever their number. Small models can do
+            better with a larger scale (the two-moons demo uses
+            `RandomNormal(stddev=1.0)`, see the README).
         trainable_length_scale: bool, whether to learn one length scale per
             class by gradient descent. Defaults to `False`.
         **kwargs: base layer keyword arguments such as `name`. The layer's
@@ -114,9 +116,9 @@ class DUQOutput(keras.layers.Layer):
                     f"Received: `dtype={dtype!r}`"
                 )
         super().__init__(dtype="float32", **kwargs)
-        _check_int("num_classes", num_classes, minimum=2)
+        check_int("num_classes", num_classes, minimum=2)
         if centroid_dims is not None:
-            _check_int("centroid_dims", centroid_dims, minimum=1)
+            check_int("centroid_dims", centroid_dims, minimum=1)
         if not isinstance(length_scale, (int, float)) or not length_scale > 0:
             raise ValueError(
                 "Expected `length_scale` to be a float > 0. "
@@ -256,11 +258,3 @@ class DUQOutput(keras.layers.Layer):
             }
         )
         return config
-
-
-def _check_int(name, value, minimum):
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(
-            f"Expected `{name}` to be an integer >= {minimum}. "
-            f"Received: `{name}={value!r}`"
-        )

@@ -14,6 +14,8 @@ import numpy as np
 import tensorflow as tf
 from sklearn import metrics as sk_metrics
 
+from keras_duq._validation import check_int
+
 CERTAINTY_METHODS = ("max", "negative_entropy")
 
 # The operating point of `fpr_at_95_tpr`: the share of OoD examples that must
@@ -210,7 +212,7 @@ def rejection_curve(
         `"accuracy"` and `"oracle_accuracy"`. At a fraction of `1` nothing is
         kept and both accuracies are `nan`.
     """
-    _check_int("num_points", num_points, minimum=2)
+    check_int("num_points", num_points, minimum=2)
     certainty = _as_certainty("in_certainty", in_certainty)
     correct = _as_correct("in_correct", in_correct, len(certainty)).astype("float64")
     if ood_certainty is not None:
@@ -317,7 +319,7 @@ class OODEvaluation(keras.callbacks.Callback):
         batch_size: int = 256,
     ):
         super().__init__()
-        _check_int("every_n_epochs", every_n_epochs, minimum=1)
+        check_int("every_n_epochs", every_n_epochs, minimum=1)
         if method not in CERTAINTY_METHODS:
             raise ValueError(
                 f"Unknown certainty method. Expected one of {CERTAINTY_METHODS}. "
@@ -327,7 +329,7 @@ class OODEvaluation(keras.callbacks.Callback):
             raise ValueError(
                 f"Expected `prefix` to be a string. Received: `prefix={prefix!r}`"
             )
-        _check_int("batch_size", batch_size, minimum=1)
+        check_int("batch_size", batch_size, minimum=1)
         self.in_distribution = _check_data("in_distribution", in_distribution)
         self.out_of_distribution = _check_data(
             "out_of_distribution", out_of_distribution
@@ -466,14 +468,6 @@ def _as_correct(name, values, length):
             )
         values = values.astype(bool)
     return values
-
-
-def _check_int(name, value, minimum):
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(
-            f"Expected `{name}` to be an integer >= {minimum}. "
-            f"Received: `{name}={value!r}`"
-        )
 
 
 def _check_finite(name, values):

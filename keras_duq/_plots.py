@@ -7,6 +7,7 @@ from matplotlib.figure import Figure
 from sklearn import metrics as sk_metrics
 
 from keras_duq import _evaluation
+from keras_duq._validation import check_int
 
 # Figures are built with `matplotlib.figure.Figure`, not `pyplot`: nothing
 # pops up, nothing is kept in pyplot's global registry, and any backend works.
@@ -67,11 +68,7 @@ def plot_certainty_map(
         axes.scatter(points[:, 0], points[:, 1], s=4, c=color, label=f"class {label}")
     axes.set_xlim(*x_range)
     axes.set_ylim(*y_range)
-    axes.legend(loc="lower left", fontsize="small")
-    if title:
-        axes.set_title(title)
-    figure.tight_layout()
-    return figure
+    return _finish(figure, axes, title, legend_loc="lower left", fontsize="small")
 
 
 def plot_roc_curve(
@@ -121,11 +118,7 @@ def plot_roc_curve(
     axes.set_ylim(0.0, 1.01)
     axes.set_xlabel("false positive rate (in-distribution flagged as OoD)")
     axes.set_ylabel("true positive rate (OoD flagged)")
-    axes.legend(loc="lower right")
-    if title:
-        axes.set_title(title)
-    figure.tight_layout()
-    return figure
+    return _finish(figure, axes, title, legend_loc="lower right")
 
 
 def plot_rejection_curve(
@@ -215,11 +208,7 @@ def plot_rejection_curve(
     axes.set_xlim(0.0, 1.0)
     axes.set_xlabel("fraction of data rejected (least certain first)")
     axes.set_ylabel("accuracy on the kept data")
-    axes.legend(loc="lower right")
-    if title:
-        axes.set_title(title)
-    figure.tight_layout()
-    return figure
+    return _finish(figure, axes, title, legend_loc="lower right")
 
 
 def plot_certainty_histograms(
@@ -261,7 +250,7 @@ def plot_certainty_histograms(
     Returns:
         The `matplotlib.figure.Figure`.
     """
-    _evaluation._check_int("bins", bins, minimum=1)
+    check_int("bins", bins, minimum=1)
     in_certainty = _evaluation._as_certainty("in_certainty", in_certainty)
     ood_certainty = _evaluation._as_certainty("ood_certainty", ood_certainty)
     low = min(in_certainty.min(), ood_certainty.min())
@@ -282,7 +271,12 @@ def plot_certainty_histograms(
     )
     axes.set_xlabel(xlabel)
     axes.set_ylabel("density")
-    axes.legend(loc="upper center")
+    return _finish(figure, axes, title, legend_loc="upper center")
+
+
+def _finish(figure, axes, title, legend_loc, **legend_kwargs):
+    """Legend, optional title and a tight layout: the end of every plot."""
+    axes.legend(loc=legend_loc, **legend_kwargs)
     if title:
         axes.set_title(title)
     figure.tight_layout()
