@@ -74,6 +74,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--centroid-momentum", type=float, default=0.999,
         help="DUQ's gamma, momentum of the centroid moving average.",
     )
+    parser.add_argument(
+        "--kernel-initializer", default="reference",
+        help="Initializer of DUQ's projection W: 'reference' (normal, stddev "
+        "0.05, as the paper's code) or a Keras initializer name such as "
+        "'he_normal' (keras_duq's default).",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--validation-split", type=int, default=0,
@@ -112,6 +118,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--tensorboard", action="store_true",
         help="Write TensorBoard logs (OoD metrics included) to OUTPUT_DIR/logs.",
+    )
+    parser.add_argument(
+        "--backup-dir", default=None,
+        help="Back up the training state here after every epoch "
+        "(keras.callbacks.BackupAndRestore) and log each epoch to "
+        "epochs.jsonl; rerunning the same command resumes from the last "
+        "finished epoch.",
+    )
+    parser.add_argument(
+        "--jit-compile", choices=("auto", "true", "false"), default="auto",
+        help="XLA compilation, passed to `Model.compile` (auto: Keras's choice, "
+        "XLA on GPUs, not on CPUs).",
     )
     parser.add_argument("--verbose", type=int, default=2, choices=(0, 1, 2))
     args = parser.parse_args(argv)
@@ -210,12 +228,19 @@ def build_duq_model(args, steps_per_epoch: int) -> keras_duq.DUQModel:
         centroid_dims=256,
         length_scale=args.length_scale,
         momentum=args.centroid_momentum,
-        # The reference code draws W from N(0, 0.05^2).
-        kernel_initializer=keras.initializers.RandomNormal(stddev=0.05),
+        kernel_initializer=(
+            # The reference code draws W from N(0, 0.05^2).
+            keras.initializers.RandomNormal(stddev=0.05)
+            if args.kernel_initializer == "reference"
+            else args.kernel_initializer
+        ),
         gradient_penalty=args.gradient_penalty,
         weight_decay=WEIGHT_DECAY,
     )
-    model.compile(optimizer=make_optimizer(steps_per_epoch, args.epochs))
+    model.compile(
+        optimizer=make_optimizer(steps_per_epoch, args.epochs),
+        jit_compile=_jit_compile(args),
+    )
     return model
 
 
@@ -243,8 +268,13 @@ def build_softmax_model(args, steps_per_epoch: int) -> keras.Model:
         optimizer=make_optimizer(steps_per_epoch, args.epochs),
         loss="sparse_categorical_crossentropy",
         metrics=["accuracy"],
+        jit_compile=_jit_compile(args),
     )
     return model
+
+
+def _jit_compile(args):
+    return {"auto": "auto", "true": True, "false": False}[args.jit_compile]
 
 
 # ------------------------------------------------------------------ data
@@ -279,21 +309,85 @@ def load_data(args):
 # -------------------------------------------------------------- training
 
 
-def train(model, train_data, args, steps_per_epoch, seed, callbacks=()):
+class EpochLog(keras.callbacks.Callback):
+    """Appends each finished epoch (its seconds and logs) to a JSON-lines file.
+
+    With `BackupAndRestore`, a resumed run's `History` holds only the epochs
+    of its own process; this file holds all of them.
+    """
+
+    def __init__(self, path: str):
+        super().__init__()
+        self.path = path
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._start = time.perf_counter()
+
+    def on_epoch_end(self, epoch, logs=None):
+        record = {
+            "epoch": epoch + 1,
+            "seconds": time.perf_counter() - self._start,
+            "logs": {k: float(v) for k, v in (logs or {}).items()},
+        }
+        with open(self.path, "a") as file:
+            file.write(json.dumps(record) + "\n")
+
+
+def read_epoch_log(path: str) -> list:
+    """Records of `EpochLog`, the last one per epoch (a resumed run may
+    repeat an epoch that was cut off before its backup)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as file:
+        records = [json.loads(line) for line in file if line.strip()]
+    return sorted({r["epoch"]: r for r in records}.values(), key=lambda r: r["epoch"])
+
+
+def train(model, train_data, args, steps_per_epoch, seed, callbacks=(),
+          backup_dir=None):
+    """Fits one model; returns its per-epoch history and training seconds."""
     x, y = train_data
+    callbacks = list(callbacks)
+    epoch_log = None
+    done = 0
+    if backup_dir:
+        os.makedirs(backup_dir, exist_ok=True)
+        epoch_log = os.path.join(backup_dir, "epochs.jsonl")
+        state_dir = os.path.join(backup_dir, "state")
+        if not os.path.exists(state_dir) and os.path.exists(epoch_log):
+            os.remove(epoch_log)  # a log without its state is stale
+        done = len(read_epoch_log(epoch_log))
+        callbacks += [
+            # Kept after the last epoch: rerunning a finished run then only
+            # evaluates it.
+            keras.callbacks.BackupAndRestore(state_dir, delete_checkpoint=False),
+            EpochLog(epoch_log),
+        ]
     dataset = keras_duq.make_dataset(
-        x, y, batch_size=args.batch_size, shuffle=True, seed=seed, repeat=True
+        # A resumed run must not replay the first epochs' data order.
+        x, y, batch_size=args.batch_size, shuffle=True, seed=seed + 1000 * done,
+        repeat=True,
     )
+    start = time.perf_counter()
     history = model.fit(
         dataset,
         epochs=args.epochs,
         steps_per_epoch=steps_per_epoch,
         # The dataset reshuffles itself every epoch.
         shuffle=False,
-        callbacks=list(callbacks),
+        callbacks=callbacks,
         verbose=args.verbose,
     )
-    return {k: [float(v) for v in vs] for k, vs in history.history.items()}
+    seconds = time.perf_counter() - start
+    if epoch_log is None:
+        history = {k: [float(v) for v in vs] for k, vs in history.history.items()}
+        return history, seconds
+    records = read_epoch_log(epoch_log)
+    history = {}
+    for record in records:
+        for key, value in record["logs"].items():
+            history.setdefault(key, []).append(value)
+    return history, sum(r["seconds"] for r in records)
 
 
 def training_callbacks(args, test, x_ood, method, log_dir):
@@ -390,7 +484,7 @@ def main(argv=None) -> dict:
     log_dir = os.path.join(args.output_dir, "logs")
 
     models, histories = [], []
-    train_start = time.perf_counter()
+    train_time = 0.0
     for index in range(num_models):
         # Ensemble members differ by their initialisation and data order.
         seed = args.seed + index
@@ -408,11 +502,15 @@ def main(argv=None) -> dict:
             args, test, x_ood, method,
             log_dir if num_models == 1 else os.path.join(log_dir, f"member_{index}"),
         )
-        histories.append(
-            train(model, train_data, args, steps_per_epoch, seed, callbacks)
+        backup_dir = None
+        if args.backup_dir:
+            backup_dir = os.path.join(args.backup_dir, f"member_{index}")
+        history, seconds = train(
+            model, train_data, args, steps_per_epoch, seed, callbacks, backup_dir
         )
+        histories.append(history)
+        train_time += seconds
         models.append(model)
-    train_time = time.perf_counter() - train_start
 
     results, in_certainty, ood_certainty, curve = evaluate(
         models, method, test, x_ood, validation
@@ -433,6 +531,7 @@ def main(argv=None) -> dict:
             "num_train": len(train_data[0]),
             "num_test": len(test[0]),
             "num_ood": len(x_ood),
+            # With --backup-dir: the sum over all (resumed) runs' epochs.
             "train_time_s": train_time,
             "wall_time_s": time.perf_counter() - start,
             "settings": vars(args),

@@ -50,13 +50,20 @@ def make_data(seed, num_train=1500, num_test=500, noise=0.1):
 
 
 def build_model(gradient_penalty=1.0):
-    """The paper's two-moons model: three dense layers of 20 ReLU units."""
+    """The paper's two-moons model: three dense layers of 20 units.
+
+    As in the reference notebook, the third layer is linear: a ReLU right
+    before DUQ's projection lets units die, and every dead unit is a
+    direction in input space along which the features (and so the
+    certainty) stop changing, leaving bands of high certainty far from the
+    data.
+    """
     backbone = keras.Sequential(
         [
             keras.Input((2,)),
             keras.layers.Dense(20, activation="relu"),
             keras.layers.Dense(20, activation="relu"),
-            keras.layers.Dense(20, activation="relu"),
+            keras.layers.Dense(20),
         ],
         name="mlp",
     )

@@ -169,6 +169,27 @@ class DUQModel(keras.Model):
             x, y, sample_weight, log_kernel, penalty, objective, bce, labels_one_hot
         )
 
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        # Keras (3.x, TensorFlow backend) builds a distributed model from one
+        # batch that it reduces with `strategy.reduce("MEAN", batch)`; the
+        # whole `(x, y)` structure at once, which MultiWorkerMirroredStrategy
+        # rejects ("Attempt to convert a value (PerReplica...)"), for any
+        # Keras model. Only the shapes matter there, so under that strategy
+        # the first replica's part of the batch is used instead.
+        strategy = getattr(self, "_distribute_strategy", None)
+        if iterator is None or not _is_multi_worker(strategy):
+            return super()._maybe_symbolic_build(
+                iterator=iterator, data_batch=data_batch
+            )
+        for _, _, batches in iterator:
+            data_batch = keras.tree.map_structure(
+                lambda value: strategy.experimental_local_results(value)[0],
+                next(batches),
+            )
+            break
+        with strategy.scope():
+            self._symbolic_build(data_batch=data_batch)
+
     # -------------------------------------------------------------- helpers
 
     def _update_centroids_after_step(self, x, labels_one_hot, gradients):
@@ -229,7 +250,13 @@ class DUQModel(keras.Model):
             "float32",
         )
         self._accuracy_tracker.update_state(correct, sample_weight=sample_weight)
-        return self.compute_metrics(x, y, ops.exp(log_kernel), sample_weight)
+        logs = self.compute_metrics(x, y, ops.exp(log_kernel), sample_weight)
+        if _is_multi_worker(tf.distribute.get_strategy()):
+            # Keras reduces each log over workers with `reduce("MEAN",
+            # axis=0)`, which needs a batch axis; metric results are scalars
+            # (and already global: mean of equal values).
+            logs = {name: ops.reshape(value, (1,)) for name, value in logs.items()}
+        return logs
 
     def _validate_batch(self, x, y, sample_weight):
         """Checks a batch; returns it with every later op depending on the checks.
@@ -439,6 +466,10 @@ def _scale_loss_for_distribution(loss):
     if num_replicas > 1:
         loss = loss / num_replicas
     return loss
+
+
+def _is_multi_worker(strategy):
+    return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
 
 
 def _find_duq_output(outputs):

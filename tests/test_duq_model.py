@@ -544,6 +544,115 @@ def test_mirrored_strategy_matches_one_device(tmp_path):
     assert report["difference"] < 1e-5
 
 
+_MULTI_WORKER_SCRIPT = """
+import json, os, sys
+index, ports, initial, out = int(sys.argv[1]), sys.argv[2].split(","), sys.argv[3], sys.argv[4]
+os.environ["TF_CONFIG"] = json.dumps({
+    "cluster": {"worker": [f"127.0.0.1:{port}" for port in ports]},
+    "task": {"type": "worker", "index": index},
+})
+import numpy as np
+import tensorflow as tf
+import keras
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from build import build
+
+strategy = tf.distribute.MultiWorkerMirroredStrategy()
+with strategy.scope():
+    model = build()
+data = np.load(initial)
+for i, weight in enumerate(model.weights):
+    weight.assign(data[f"w{i}"])
+dataset = tf.data.Dataset.from_tensor_slices((data["x"], data["y"])).batch(16)
+options = tf.data.Options()
+options.experimental_distribute.auto_shard_policy = (
+    tf.data.experimental.AutoShardPolicy.DATA
+)
+model.fit(dataset.with_options(options), epochs=3, verbose=0)
+np.savez(out, replicas=strategy.num_replicas_in_sync,
+         **{f"w{i}": w.numpy() for i, w in enumerate(model.weights)})
+"""
+
+_MULTI_WORKER_BUILD = """
+import keras
+import keras_duq
+
+
+def build():
+    inputs = keras.Input((4,))
+    x = keras.layers.Dense(8, activation="relu")(inputs)
+    outputs = keras_duq.DUQOutput(
+        num_classes=3, centroid_dims=5, momentum=0.9, length_scale=0.5
+    )(x)
+    model = keras_duq.DUQModel(inputs, outputs, gradient_penalty=0.5)
+    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9))
+    return model
+"""
+
+
+def _free_ports(count):
+    import socket
+
+    sockets = [socket.socket() for _ in range(count)]
+    for sock in sockets:
+        sock.bind(("127.0.0.1", 0))
+    ports = [str(sock.getsockname()[1]) for sock in sockets]
+    for sock in sockets:
+        sock.close()
+    return ports
+
+
+def test_multi_worker_mirrored_strategy_matches_one_process(tmp_path):
+    # Two worker processes on 127.0.0.1 (one CPU replica each) train on
+    # halves of each global batch; both must end with the weights and
+    # centroid state of one process training on the whole batches. Without
+    # the cross-replica sum in update_centroids the workers still agree
+    # (the state's "mean" aggregation), but the centroid sums differ from
+    # the reference by ~1.0 (measured).
+    import subprocess
+    import sys
+
+    (tmp_path / "worker.py").write_text(_MULTI_WORKER_SCRIPT)
+    (tmp_path / "build.py").write_text(_MULTI_WORKER_BUILD)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        from build import build
+    finally:
+        sys.path.remove(str(tmp_path))
+    keras.utils.set_random_seed(0)
+    reference = build()
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 4)).astype("float32")
+    y = np.array([0] * 2 + [1] * 6 + [2] * 8)  # the workers see different classes
+    initial = tmp_path / "initial.npz"
+    np.savez(initial, x=x, y=y, **{f"w{i}": w.numpy() for i, w in enumerate(reference.weights)})
+    reference.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
+
+    ports = ",".join(_free_ports(2))
+    workers = [
+        subprocess.Popen(
+            [sys.executable, str(tmp_path / "worker.py"), str(i), ports,
+             str(initial), str(tmp_path / f"worker{i}.npz")],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        for worker in workers:
+            _, stderr = worker.communicate(timeout=300)
+            assert worker.returncode == 0, stderr[-3000:]
+    finally:
+        for worker in workers:
+            worker.kill()
+    results = [np.load(tmp_path / f"worker{i}.npz") for i in range(2)]
+    assert int(results[0]["replicas"]) == 2
+    for i, weight in enumerate(reference.weights):
+        np.testing.assert_array_equal(results[0][f"w{i}"], results[1][f"w{i}"])
+        np.testing.assert_allclose(
+            results[0][f"w{i}"], weight.numpy(), atol=1e-5, err_msg=weight.path
+        )
+
+
 def test_backup_and_restore_resumes_exactly(tmp_path):
     x, y = _data()
 

@@ -18,18 +18,21 @@ def test_far_points_are_far_from_training_data():
     assert len(x_far) > 1000
 
 
-def test_demo_learns_and_penalty_lowers_far_certainty(tmp_path):
-    # Margins measured over seeds 0-2 (README): accuracy >= 0.998, AUROC
-    # >= 0.96; mean far certainty 0.105 with the penalty vs 0.255 without.
+def test_demo_meets_the_papers_figure_1_on_three_seeds():
+    # The acceptance bar, on seeds 0, 1 and 2. Measured (README): far
+    # certainty 0.0055-0.0068 and AUROC 1.000 on these seeds; over seeds 0-15
+    # far certainty ranged 0.002-0.057 (one seed of 16 above 0.05).
     with_penalty = [two_moons.run(seed, 1.0) for seed in range(3)]
-    without = [two_moons.run(seed, 0.0) for seed in range(3)]
     for result in with_penalty:
-        assert result["test_accuracy"] >= 0.97
-        assert result["auroc_test_vs_far"] >= 0.9
-        assert result["test_certainty_mean"] > 3 * result["far_certainty_mean"]
+        assert result["test_accuracy"] >= 0.98, result
+        assert result["far_certainty_mean"] <= 0.05, result
+        assert result["auroc_test_vs_far"] >= 0.99, result
+    # Without the penalty the far certainty comes out clearly higher
+    # (measured: 0.04-0.31 on seeds 0-5, mean of seeds 0-2: 0.13).
+    without = [two_moons.run(seed, 0.0) for seed in range(3)]
     mean_far = np.mean([r["far_certainty_mean"] for r in with_penalty])
     mean_far_without = np.mean([r["far_certainty_mean"] for r in without])
-    assert mean_far < mean_far_without
+    assert mean_far_without > 5 * mean_far, (mean_far, mean_far_without)
 
 
 def test_demo_writes_certainty_map(tmp_path):
