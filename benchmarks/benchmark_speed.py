@@ -1,74 +1,105 @@
 """Training and inference speed of DUQ against a softmax model, side by side.
 
-    python benchmarks/benchmark_speed.py [--output benchmarks/results.json]
+    python benchmarks/benchmark_speed.py                 # everything, ~20 min on 2 cores
+    python benchmarks/benchmark_speed.py --quick         # fewer windows, short epoch
 
-Measures, in one process on the same machine and data shapes:
+Measures, in one run on one machine with the same data shapes:
 
-- training step time (median of timed windows after warm-up) for a softmax
-  model, DUQ without the penalty and DUQ with the two-sided penalty, on the
-  paper's FashionMNIST CNN at batch 128 and on the two-moons MLP at batch 64;
-- inference time at batch 1 and batch 1000, softmax against DUQ.
+- training step time and examples/s (median of timed windows after warm-up)
+  for a softmax model, DUQ without the penalty and DUQ with the two-sided
+  penalty, on the paper's FashionMNIST CNN (batch 128, from
+  `examples/fashion_mnist.py`) and the two-moons MLP (batch 64, from
+  `examples/two_moons.py`), each compiled as a TensorFlow graph and with XLA;
+- inference time at batch 1 and batch 1000, softmax against DUQ;
+- the CNN steps under `mixed_bfloat16`;
+- one full epoch of real FashionMNIST through `model.fit` and the
+  `tf.data` pipeline (`keras_duq.make_dataset`) against the sum of its steps
+  (steps x the step time on a batch held in memory), and the peak resident
+  memory of that training process (each model in a fresh process).
 
-Prints absolute numbers and the ratios DUQ / softmax, and writes them as JSON.
-Timings go through `train_on_batch` / `predict_on_batch`, so each includes the
-same small Python overhead per call for every model.
+Prints absolute numbers and the ratios DUQ / softmax, and writes them as
+JSON. Step times come from the model's own compiled train function (what
+`fit` calls once per step), so no model pays Python overhead the others
+do not.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import platform
+import resource
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 import keras_duq
 
-
-def fashion_mnist_backbone():
-    """The paper's FashionMNIST CNN (Appendix A), up to its 256 features."""
-    layers = [keras.Input((28, 28, 1))]
-    for filters, padding in ((64, "same"), (128, "same"), (128, "valid")):
-        layers += [
-            keras.layers.Conv2D(filters, 3, padding=padding),
-            keras.layers.BatchNormalization(),
-            keras.layers.ReLU(),
-            keras.layers.MaxPooling2D(),
-        ]
-    layers += [keras.layers.Flatten(), keras.layers.Dense(256, activation="relu")]
-    return keras.Sequential(layers)
+ROOT = Path(__file__).resolve().parents[1]
+KINDS = ("softmax", "duq_no_penalty", "duq_penalty")
 
 
-def two_moons_backbone():
-    return keras.Sequential(
-        [keras.Input((2,))] + [keras.layers.Dense(20, activation="relu") for _ in range(3)]
-    )
+def _load_example(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def build(kind, make_backbone, num_classes):
-    backbone = make_backbone()
+fashion_mnist = _load_example("fashion_mnist")
+two_moons = _load_example("two_moons")
+
+# Per task: backbone builder, input shape, classes, batch size, DUQ settings.
+TASKS = {
+    "fashion_mnist_cnn": dict(
+        backbone=lambda: fashion_mnist.build_backbone(),
+        input_shape=(28, 28, 1),
+        num_classes=10,
+        batch_size=128,
+        duq=dict(centroid_dims=256, length_scale=0.1, gradient_penalty=0.05),
+    ),
+    "two_moons_mlp": dict(
+        backbone=lambda: two_moons.build_model(0.0).feature_extractor,
+        input_shape=(2,),
+        num_classes=2,
+        batch_size=64,
+        duq=dict(centroid_dims=10, length_scale=0.3, gradient_penalty=1.0),
+    ),
+}
+
+
+def build(kind, task, jit_compile=False):
+    """A compiled softmax or DUQ model on the task's backbone."""
+    settings = TASKS[task]
+    backbone = settings["backbone"]()
+    optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
     if kind == "softmax":
         model = keras.Sequential(
-            [backbone, keras.layers.Dense(num_classes, activation="softmax")]
+            [backbone, keras.layers.Dense(settings["num_classes"], activation="softmax")]
         )
         model.compile(
-            optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+            optimizer=optimizer,
             loss="sparse_categorical_crossentropy",
+            jit_compile=jit_compile,
         )
         return model
-    model = keras_duq.wrap(
-        backbone,
-        num_classes,
-        gradient_penalty=0.0 if kind == "duq_no_penalty" else 0.05,
-    )
-    model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9))
+    duq = dict(settings["duq"])
+    if kind == "duq_no_penalty":
+        duq["gradient_penalty"] = 0.0
+    model = keras_duq.wrap(backbone, settings["num_classes"], **duq)
+    model.compile(optimizer=optimizer, jit_compile=jit_compile)
     return model
 
 
-def median_seconds(fn, warmup=3, windows=5, calls_per_window=5):
+def median_seconds(fn, warmup, windows, calls_per_window):
     for _ in range(warmup):
         fn()
     times = []
@@ -80,60 +111,230 @@ def median_seconds(fn, warmup=3, windows=5, calls_per_window=5):
     return statistics.median(times)
 
 
-def benchmark(name, make_backbone, input_shape, num_classes, batch_size):
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(batch_size,) + input_shape).astype("float32")
-    y = rng.integers(0, num_classes, size=batch_size)
-    x_infer = rng.normal(size=(1000,) + input_shape).astype("float32")
+def _batch(task, batch_size=None, seed=0):
+    settings = TASKS[task]
+    rng = np.random.default_rng(seed)
+    batch_size = batch_size or settings["batch_size"]
+    x = rng.normal(size=(batch_size,) + settings["input_shape"]).astype("float32")
+    y = rng.integers(0, settings["num_classes"], size=batch_size).astype("int32")
+    return x, y
+
+
+def step_seconds(model, task, windows):
+    """Median time of one training step on a batch held in memory."""
+    x, y = _batch(task)
+    iterator = iter(tf.data.Dataset.from_tensors((x, y)).repeat())
+    model.make_train_function()
+
+    def step():
+        # Reading a value waits for the step to finish.
+        logs = model.train_function(iterator)
+        float(logs["loss"])
+
+    return median_seconds(step, warmup=3, windows=windows, calls_per_window=5)
+
+
+def train_benchmark(task, windows):
     results = {}
-    for kind in ("softmax", "duq_no_penalty", "duq_penalty"):
-        keras.utils.set_random_seed(0)
-        model = build(kind, make_backbone, num_classes)
-        step = median_seconds(lambda model=model: model.train_on_batch(x, y))
-        results[f"train_step_s/{kind}"] = step
-        results[f"train_examples_per_s/{kind}"] = batch_size / step
-        if kind != "duq_penalty":  # inference does not depend on the penalty
-            label = "duq" if kind.startswith("duq") else "softmax"
-            results[f"infer_batch1_s/{label}"] = median_seconds(
-                lambda model=model: model.predict_on_batch(x_infer[:1])
-            )
-            results[f"infer_batch1000_s/{label}"] = median_seconds(
-                lambda model=model: model.predict_on_batch(x_infer),
-                warmup=2,
-                windows=3,
-            )
-    ratios = {
-        "train_duq_no_penalty/softmax": results["train_step_s/duq_no_penalty"]
-        / results["train_step_s/softmax"],
-        "train_duq_penalty/softmax": results["train_step_s/duq_penalty"]
-        / results["train_step_s/softmax"],
-        "infer_batch1_duq/softmax": results["infer_batch1_s/duq"]
-        / results["infer_batch1_s/softmax"],
-        "infer_batch1000_duq/softmax": results["infer_batch1000_s/duq"]
-        / results["infer_batch1000_s/softmax"],
+    for jit_compile, mode in ((False, "graph"), (True, "xla")):
+        for kind in KINDS:
+            keras.backend.clear_session()
+            keras.utils.set_random_seed(0)
+            model = build(kind, task, jit_compile)
+            seconds = step_seconds(model, task, windows)
+            results[f"{mode}/{kind}"] = {
+                "step_s": seconds,
+                "examples_per_s": TASKS[task]["batch_size"] / seconds,
+            }
+    return results
+
+
+def inference_benchmark(task, windows):
+    results = {}
+    x, _ = _batch(task, batch_size=1000)
+    for jit_compile, mode in ((False, "graph"), (True, "xla")):
+        for kind in ("softmax", "duq_no_penalty"):
+            keras.backend.clear_session()
+            keras.utils.set_random_seed(0)
+            model = build(kind, task, jit_compile)
+            label = "duq" if kind != "softmax" else "softmax"
+            for batch_size in (1, 1000):
+                batch = x[:batch_size]
+                results[f"{mode}/{label}/batch{batch_size}_s"] = median_seconds(
+                    lambda model=model, batch=batch: model.predict_on_batch(batch),
+                    warmup=3,
+                    windows=windows,
+                    calls_per_window=5 if batch_size == 1000 else 20,
+                )
+    return results
+
+
+def bfloat16_benchmark(windows):
+    results = {}
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        for kind in ("softmax", "duq_penalty"):
+            keras.backend.clear_session()
+            keras.utils.set_random_seed(0)
+            model = build(kind, "fashion_mnist_cnn")
+            results[f"mixed_bfloat16/{kind}"] = {
+                "step_s": step_seconds(model, "fashion_mnist_cnn", windows)
+            }
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    return results
+
+
+def epoch_run(kind, steps, warmup_windows):
+    """One epoch of real FashionMNIST through `fit`; run in a fresh process."""
+    keras.utils.set_random_seed(0)
+    (x_train, y_train), _ = keras_duq.load_fashion_mnist()
+    x_train = keras_duq.normalize(x_train)
+    y_train = y_train.astype("int32")
+    batch_size = TASKS["fashion_mnist_cnn"]["batch_size"]
+    model = build(kind, "fashion_mnist_cnn")
+    step = step_seconds(model, "fashion_mnist_cnn", warmup_windows)
+    dataset = keras_duq.make_dataset(
+        x_train, y_train, batch_size=batch_size, shuffle=True, seed=0, repeat=True
+    )
+    full_epoch = -(-len(x_train) // batch_size)
+    steps = min(steps or full_epoch, full_epoch)
+    # Trace `fit`'s own train function (its iterator type) before timing.
+    model.fit(dataset, epochs=1, steps_per_epoch=2, verbose=0)
+    start = time.perf_counter()
+    model.fit(dataset, epochs=1, steps_per_epoch=steps, verbose=0)
+    epoch = time.perf_counter() - start
+    return {
+        "steps": steps,
+        "epoch_s": epoch,
+        "step_s": step,
+        "sum_of_steps_s": steps * step,
+        "epoch_over_sum_of_steps": epoch / (steps * step),
+        # Linux reports kilobytes.
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
-    print(f"\n{name} (batch {batch_size})")
-    for key, value in results.items():
-        print(f"  {key:36s} {value:12.5f}")
-    for key, value in ratios.items():
-        print(f"  ratio {key:30s} {value:8.2f}x")
-    return {"absolute": results, "ratios": ratios}
+
+
+def epoch_benchmark(steps, windows):
+    results = {}
+    for kind in ("softmax", "duq_penalty"):
+        output = subprocess.run(
+            [sys.executable, __file__, "--epoch-run", kind,
+             "--epoch-steps", str(steps or 0), "--windows", str(windows)],
+            capture_output=True, text=True, check=True,
+        ).stdout
+        results[kind] = json.loads(output.strip().splitlines()[-1])
+    return results
+
+
+def ratios(report):
+    out = {}
+    for task in TASKS:
+        train = report["train"][task]
+        for mode in ("graph", "xla"):
+            softmax = train[f"{mode}/softmax"]["step_s"]
+            for kind in KINDS[1:]:
+                out[f"{task}/train/{mode}/{kind}"] = train[f"{mode}/{kind}"]["step_s"] / softmax
+        best_softmax = min(train[f"{m}/softmax"]["step_s"] for m in ("graph", "xla"))
+        for kind in KINDS[1:]:
+            best = min(train[f"{m}/{kind}"]["step_s"] for m in ("graph", "xla"))
+            out[f"{task}/train/best_mode/{kind}"] = best / best_softmax
+        infer = report["inference"][task]
+        for mode in ("graph", "xla"):
+            for batch_size in (1, 1000):
+                out[f"{task}/inference/{mode}/batch{batch_size}"] = (
+                    infer[f"{mode}/duq/batch{batch_size}_s"]
+                    / infer[f"{mode}/softmax/batch{batch_size}_s"]
+                )
+    if "bfloat16" in report:
+        bf16 = report["bfloat16"]
+        out["fashion_mnist_cnn/train/mixed_bfloat16/duq_penalty"] = (
+            bf16["mixed_bfloat16/duq_penalty"]["step_s"]
+            / bf16["mixed_bfloat16/softmax"]["step_s"]
+        )
+        graph = report["train"]["fashion_mnist_cnn"]
+        for kind in ("softmax", "duq_penalty"):
+            out[f"fashion_mnist_cnn/bfloat16_over_float32/{kind}"] = (
+                bf16[f"mixed_bfloat16/{kind}"]["step_s"] / graph[f"graph/{kind}"]["step_s"]
+            )
+    if "epoch" in report:
+        epoch = report["epoch"]
+        for kind, values in epoch.items():
+            out[f"fashion_mnist_cnn/epoch_over_sum_of_steps/{kind}"] = values[
+                "epoch_over_sum_of_steps"
+            ]
+        out["fashion_mnist_cnn/peak_rss/duq_penalty"] = (
+            epoch["duq_penalty"]["peak_rss_mb"] / epoch["softmax"]["peak_rss_mb"]
+        )
+    return out
+
+
+def print_report(report):
+    for task in TASKS:
+        print(f"\n{task} (batch {TASKS[task]['batch_size']}): training step")
+        for name, values in report["train"][task].items():
+            print(
+                f"  {name:28s} {values['step_s'] * 1000:10.2f} ms"
+                f" {values['examples_per_s']:12.0f} examples/s"
+            )
+        print(f"{task}: inference")
+        for name, seconds in report["inference"][task].items():
+            print(f"  {name:28s} {seconds * 1000:10.3f} ms")
+    for name, values in report.get("bfloat16", {}).items():
+        print(f"  {name:40s} {values['step_s'] * 1000:10.2f} ms")
+    for kind, values in report.get("epoch", {}).items():
+        print(
+            f"  full epoch {kind:14s} {values['epoch_s']:8.1f} s for {values['steps']}"
+            f" steps; sum of steps {values['sum_of_steps_s']:8.1f} s;"
+            f" peak RSS {values['peak_rss_mb']:7.0f} MB"
+        )
+    print("\nratios (DUQ / softmax unless named otherwise)")
+    for name, value in report["ratios"].items():
+        print(f"  {name:60s} {value:6.2f}x")
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", default="benchmarks/results.json")
+    parser.add_argument(
+        "--quick", action="store_true",
+        help="3 timing windows instead of 7 and a 60-step epoch.",
+    )
+    parser.add_argument("--windows", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--epoch-steps", type=int, default=None,
+        help="Steps of the fit-vs-steps epoch (default: a full epoch, 469).",
+    )
+    parser.add_argument("--skip-epoch", action="store_true")
+    parser.add_argument("--skip-bfloat16", action="store_true")
+    parser.add_argument("--epoch-run", choices=("softmax", "duq_penalty"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    windows = args.windows or (3 if args.quick else 7)
+    if args.epoch_run:
+        print(json.dumps(epoch_run(args.epoch_run, args.epoch_steps, windows)))
+        return None
+    epoch_steps = args.epoch_steps or (60 if args.quick else None)
     report = {
-        "machine": {"platform": platform.platform(), "processor": platform.processor()},
-        "fashion_mnist_cnn": benchmark(
-            "FashionMNIST CNN", fashion_mnist_backbone, (28, 28, 1), 10, 128
-        ),
-        "two_moons_mlp": benchmark("two-moons MLP", two_moons_backbone, (2,), 2, 64),
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor(),
+            "cpus": os.cpu_count(),
+            "tensorflow": tf.__version__,
+            "keras": keras.__version__,
+        },
+        "train": {task: train_benchmark(task, windows) for task in TASKS},
+        "inference": {task: inference_benchmark(task, windows) for task in TASKS},
     }
-    with open(args.output, "w") as f:
-        json.dump(report, f, indent=2)
+    if not args.skip_bfloat16:
+        report["bfloat16"] = bfloat16_benchmark(max(3, windows // 2))
+    if not args.skip_epoch:
+        report["epoch"] = epoch_benchmark(epoch_steps, windows)
+    report["ratios"] = ratios(report)
+    print_report(report)
+    with open(args.output, "w") as file:
+        json.dump(report, file, indent=2)
     print(f"\nwrote {args.output}")
+    return report
 
 
 if __name__ == "__main__":

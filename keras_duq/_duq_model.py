@@ -142,15 +142,22 @@ class DUQModel(keras.Model):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         x, labels_one_hot, sample_weight = self._validate_batch(x, y, sample_weight)
         trainable_weights = self.trainable_weights
-        with tf.GradientTape() as tape:
-            log_kernel, penalty = self._log_kernel_and_penalty(x, training=True)
-            loss, bce = self._loss(log_kernel, penalty, labels_one_hot, sample_weight)
-            objective = loss + _ops.coupled_weight_decay_loss(
-                trainable_weights, self.weight_decay
-            )
-            scaled = _scale_loss_for_distribution(objective)
-            scaled = self.optimizer.scale_loss(scaled)
-        gradients = tape.gradient(scaled, trainable_weights)
+
+        def gradients_and_losses(x, labels_one_hot, sample_weight):
+            with tf.GradientTape() as tape:
+                log_kernel, penalty = self._log_kernel_and_penalty(x, training=True)
+                loss, bce = self._loss(log_kernel, penalty, labels_one_hot, sample_weight)
+                objective = loss + _ops.coupled_weight_decay_loss(
+                    trainable_weights, self.weight_decay
+                )
+                scaled = _scale_loss_for_distribution(objective)
+                scaled = self.optimizer.scale_loss(scaled)
+            gradients = tape.gradient(scaled, trainable_weights)
+            return gradients, log_kernel, penalty, objective, bce
+
+        gradients, log_kernel, penalty, objective, bce = self._maybe_xla(
+            gradients_and_losses
+        )(x, labels_one_hot, sample_weight)
         self.optimizer.apply(gradients, trainable_weights)
         self._update_centroids_after_step(x, labels_one_hot, gradients)
         return self._update_metrics(
@@ -160,14 +167,46 @@ class DUQModel(keras.Model):
     def test_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         x, labels_one_hot, sample_weight = self._validate_batch(x, y, sample_weight)
-        log_kernel, penalty = self._log_kernel_and_penalty(x, training=False)
-        loss, bce = self._loss(log_kernel, penalty, labels_one_hot, sample_weight)
-        objective = loss + _ops.coupled_weight_decay_loss(
-            self.trainable_weights, self.weight_decay
+
+        def losses(x, labels_one_hot, sample_weight):
+            log_kernel, penalty = self._log_kernel_and_penalty(x, training=False)
+            loss, bce = self._loss(log_kernel, penalty, labels_one_hot, sample_weight)
+            objective = loss + _ops.coupled_weight_decay_loss(
+                self.trainable_weights, self.weight_decay
+            )
+            return log_kernel, penalty, objective, bce
+
+        log_kernel, penalty, objective, bce = self._maybe_xla(losses)(
+            x, labels_one_hot, sample_weight
         )
         return self._update_metrics(
             x, y, sample_weight, log_kernel, penalty, objective, bce, labels_one_hot
         )
+
+    # XLA drops `Assert` ops without a word, so a train or test function
+    # compiled whole by XLA would skip the batch checks and let a bad batch
+    # change the weights. With `jit_compile` on, DUQModel compiles the
+    # computation with XLA (`_maybe_xla`) and keeps the checks and the state
+    # updates in the TensorFlow graph around it.
+
+    def make_train_function(self, force=False):
+        return self._make_function_without_outer_xla(super().make_train_function, force)
+
+    def make_test_function(self, force=False):
+        return self._make_function_without_outer_xla(super().make_test_function, force)
+
+    def _make_function_without_outer_xla(self, make_function, force):
+        jit_compile = self.jit_compile
+        self._jit_compile = False
+        try:
+            return make_function(force)
+        finally:
+            self._jit_compile = jit_compile
+
+    def _maybe_xla(self, function):
+        if self.jit_compile and not self.run_eagerly:
+            return tf.function(function, jit_compile=True)
+        return function
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         # Keras (3.x, TensorFlow backend) builds a distributed model from one
@@ -194,7 +233,9 @@ class DUQModel(keras.Model):
 
     def _update_centroids_after_step(self, x, labels_one_hot, gradients):
         def update():
-            features = self.feature_extractor(x, training=False)
+            features = self._maybe_xla(
+                lambda x: self.feature_extractor(x, training=False)
+            )(x)
             self.duq_output.update_centroids(features, labels_one_hot)
             return tf.constant(True)
 

@@ -33,9 +33,9 @@ def _model(classes=3, features=4, batch_norm=False, gradient_penalty=0.5, seed=0
     return model
 
 
-def _compiled(lr=0.05, **kwargs):
+def _compiled(lr=0.05, jit_compile="auto", **kwargs):
     model = _model(**kwargs)
-    model.compile(optimizer=keras.optimizers.SGD(lr))
+    model.compile(optimizer=keras.optimizers.SGD(lr), jit_compile=jit_compile)
     return model
 
 
@@ -713,8 +713,10 @@ def test_loss_in_compile_is_rejected():
     ],
     ids=["too_large", "negative", "wrong_one_hot_width", "wrong_rank"],
 )
-def test_bad_labels_raise_and_leave_state_unchanged(labels, error):
-    model = _compiled()
+# XLA drops Assert ops silently: the checks must hold with jit_compile too.
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
+def test_bad_labels_raise_and_leave_state_unchanged(labels, error, jit_compile):
+    model = _compiled(jit_compile=jit_compile)
     x, y = _data()
     model.fit(x, y, epochs=1, verbose=0)  # trace the step with good data
     state = _state(model)
@@ -723,8 +725,9 @@ def test_bad_labels_raise_and_leave_state_unchanged(labels, error):
     _assert_state_equal(model, state)
 
 
-def test_nan_inputs_raise_and_leave_state_unchanged():
-    model = _compiled()
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
+def test_nan_inputs_raise_and_leave_state_unchanged(jit_compile):
+    model = _compiled(jit_compile=jit_compile)
     x, y = _data()
     model.fit(x, y, epochs=1, verbose=0)
     state = _state(model)
@@ -732,6 +735,21 @@ def test_nan_inputs_raise_and_leave_state_unchanged():
     with pytest.raises(tf.errors.InvalidArgumentError, match="NaN"):
         model.fit(x, y, epochs=1, batch_size=64, verbose=0)
     _assert_state_equal(model, state)
+
+
+def test_xla_step_matches_graph_step():
+    x, y = _data()
+    models = []
+    for jit_compile in (False, True):
+        model = _compiled(jit_compile=jit_compile, batch_norm=True)
+        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        models.append(model)
+    assert models[1].jit_compile and not models[0].jit_compile
+    for graph, xla in zip(*(m.weights for m in models)):
+        np.testing.assert_allclose(xla.numpy(), graph.numpy(), atol=1e-5, err_msg=graph.path)
+    logs = [m.evaluate(x, y, verbose=0, return_dict=True) for m in models]
+    for name in logs[0]:
+        np.testing.assert_allclose(logs[1][name], logs[0][name], rtol=1e-5)
 
 
 @pytest.mark.parametrize(
