@@ -51,6 +51,13 @@ class DUQModel(keras.Model):
     the penalty; at least one floating-point input is needed when the
     penalty is on.
 
+    `compile(jit_compile=...)` works as for any Keras model (Keras's
+    `"auto"`: XLA on GPUs, not on CPUs). With XLA on, the step's computation
+    (forward pass, penalty, gradients, the centroid update's features) is
+    compiled by XLA while the batch checks and the state updates stay in the
+    TensorFlow graph around it: XLA drops assertion ops without a word, and a
+    bad batch must raise before it changes anything.
+
     References:
         - [van Amersfoort et al., 2020](https://arxiv.org/abs/2003.02037),
           "Uncertainty Estimation Using a Single Deep Deterministic Neural
@@ -205,7 +212,8 @@ class DUQModel(keras.Model):
 
     def _maybe_xla(self, function):
         if self.jit_compile and not self.run_eagerly:
-            return tf.function(function, jit_compile=True)
+            # No tensor-dependent Python control flow inside: no AutoGraph.
+            return tf.function(function, jit_compile=True, autograph=False)
         return function
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
@@ -255,14 +263,37 @@ class DUQModel(keras.Model):
             features = self.feature_extractor(x, training=training)
             return self.duq_output.log_kernel_values(features), None
         float_inputs = [t for t in tf.nest.flatten(x) if _is_float(t.dtype)]
+        scale = self._input_gradient_scale()
         with tf.GradientTape(watch_accessed_variables=False) as inner_tape:
             inner_tape.watch(float_inputs)
             features = self.feature_extractor(x, training=training)
             log_kernel = self.duq_output.log_kernel_values(features)
             kernel_sum = ops.sum(ops.exp(log_kernel))
+            if scale is not None:
+                kernel_sum = kernel_sum * scale
         input_gradients = inner_tape.gradient(kernel_sum, float_inputs)
+        if scale is not None:
+            input_gradients = [
+                None if g is None else ops.cast(g, "float32") / scale
+                for g in input_gradients
+            ]
         norms = _ops.gradient_norms(input_gradients)
         return log_kernel, _ops.gradient_penalty(norms, self.penalty)
+
+    def _input_gradient_scale(self):
+        """The loss scale, for the penalty's input gradient too (or `None`).
+
+        Under mixed_float16 the input gradient flows back through float16
+        layers, where small values underflow to zero just as weight
+        gradients do. Scaling `sum_c K_c` by the optimizer's dynamic loss
+        scale (a power of two: exact) keeps them; an overflow makes the
+        penalty, and so the gradients, non-finite, and the optimizer then
+        skips the step and lowers the scale.
+        """
+        optimizer = getattr(self, "optimizer", None)
+        if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            return None
+        return ops.cast(optimizer.scale_loss(1.0), "float32")
 
     def _loss(self, log_kernel, penalty, labels_one_hot, sample_weight):
         """Mean over the batch of the weighted per-example loss, and its BCE part."""
