@@ -522,14 +522,9 @@ def test_mixed_precision_trains(policy, name):
     assert model.predict(x[:4], verbose=0).dtype == np.float32
 
 
-_MIRRORED_SCRIPT = """
-import json
-import numpy as np
-import tensorflow as tf
-cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(
-    cpu, [tf.config.LogicalDeviceConfiguration()] * 2
-)
+# One small model for the distribution tests, as a module their fresh
+# processes import.
+_DISTRIBUTED_BUILD = """
 import keras
 import keras_duq
 
@@ -541,9 +536,22 @@ def build():
         num_classes=3, centroid_dims=5, momentum=0.9, length_scale=0.5
     )(x)
     model = keras_duq.DUQModel(inputs, outputs, gradient_penalty=0.5)
-    model.compile(optimizer=keras.optimizers.SGD(0.1))
+    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9))
     return model
+"""
 
+_MIRRORED_SCRIPT = """
+import json
+import os
+import sys
+import numpy as np
+import tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(
+    cpu, [tf.config.LogicalDeviceConfiguration()] * 2
+)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from distributed_model import build
 
 rng = np.random.default_rng(0)
 x = rng.normal(size=(16, 4)).astype("float32")
@@ -576,10 +584,11 @@ print(json.dumps({
 def test_mirrored_strategy_matches_one_device(tmp_path):
     # Two logical CPUs must be configured before TensorFlow starts: a fresh
     # process. Without the cross-replica sum in update_centroids the weights
-    # differ by ~0.4 here (measured), the replicas' centroid copies agreeing.
+    # differ by ~0.8 here (measured), the replicas' centroid copies agreeing.
     import subprocess
     import sys
 
+    (tmp_path / "distributed_model.py").write_text(_DISTRIBUTED_BUILD)
     script = tmp_path / "mirrored.py"
     script.write_text(_MIRRORED_SCRIPT)
     result = subprocess.run(
@@ -602,7 +611,7 @@ import numpy as np
 import tensorflow as tf
 import keras
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from build import build
+from distributed_model import build
 
 strategy = tf.distribute.MultiWorkerMirroredStrategy()
 with strategy.scope():
@@ -619,23 +628,6 @@ model.fit(dataset.with_options(options), epochs=3, verbose=0)
 np.savez(out, replicas=strategy.num_replicas_in_sync,
          **{f"w{i}": w.numpy() for i, w in enumerate(model.weights)})
 """
-
-_MULTI_WORKER_BUILD = """
-import keras
-import keras_duq
-
-
-def build():
-    inputs = keras.Input((4,))
-    x = keras.layers.Dense(8, activation="relu")(inputs)
-    outputs = keras_duq.DUQOutput(
-        num_classes=3, centroid_dims=5, momentum=0.9, length_scale=0.5
-    )(x)
-    model = keras_duq.DUQModel(inputs, outputs, gradient_penalty=0.5)
-    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9))
-    return model
-"""
-
 
 def _free_ports(count):
     import socket
@@ -660,10 +652,10 @@ def test_multi_worker_mirrored_strategy_matches_one_process(tmp_path):
     import sys
 
     (tmp_path / "worker.py").write_text(_MULTI_WORKER_SCRIPT)
-    (tmp_path / "build.py").write_text(_MULTI_WORKER_BUILD)
+    (tmp_path / "distributed_model.py").write_text(_DISTRIBUTED_BUILD)
     sys.path.insert(0, str(tmp_path))
     try:
-        from build import build
+        from distributed_model import build
     finally:
         sys.path.remove(str(tmp_path))
     keras.utils.set_random_seed(0)
