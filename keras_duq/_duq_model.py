@@ -165,10 +165,14 @@ class DUQModel(keras.Model):
         gradients, log_kernel, penalty, objective, bce = self._maybe_xla(
             gradients_and_losses
         )(x, labels_one_hot, sample_weight)
+        applied = self._step_applied(gradients)
         self.optimizer.apply(gradients, trainable_weights)
-        self._update_centroids_after_step(x, labels_one_hot, gradients)
+        # A skipped step (overflow) leaves the centroids and the metrics alone
+        # too: its loss may be inf (the penalty's scaled input gradient).
+        _run_if(applied, lambda: self._update_centroids(x, labels_one_hot))
         return self._update_metrics(
-            x, y, sample_weight, log_kernel, penalty, objective, bce, labels_one_hot
+            x, y, sample_weight, log_kernel, penalty, objective, bce, labels_one_hot,
+            applied,
         )
 
     def test_step(self, data):
@@ -239,23 +243,20 @@ class DUQModel(keras.Model):
 
     # -------------------------------------------------------------- helpers
 
-    def _update_centroids_after_step(self, x, labels_one_hot, gradients):
-        def update():
-            features = self._maybe_xla(
-                lambda x: self.feature_extractor(x, training=False)
-            )(x)
-            self.duq_output.update_centroids(features, labels_one_hot)
-            return tf.constant(True)
+    def _step_applied(self, gradients):
+        """Whether the optimizer applies this step: `None` when it always does.
 
+        A `LossScaleOptimizer` skips a step whose gradients are not finite.
+        """
         if not isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
-            update()
-            return
-        # A loss-scaled step whose gradients overflowed is skipped by the
-        # optimizer; the centroids must skip it too.
-        finite = tf.reduce_all(
+            return None
+        return tf.reduce_all(
             [tf.reduce_all(tf.math.is_finite(g)) for g in gradients if g is not None]
         )
-        tf.cond(finite, update, lambda: tf.constant(False))
+
+    def _update_centroids(self, x, labels_one_hot):
+        features = self._maybe_xla(lambda x: self.feature_extractor(x, training=False))(x)
+        self.duq_output.update_centroids(features, labels_one_hot)
 
     def _log_kernel_and_penalty(self, x, training):
         """Forward pass; with the penalty on, also the per-example penalty."""
@@ -308,21 +309,28 @@ class DUQModel(keras.Model):
         return ops.mean(per_example), ops.mean(bce)
 
     def _update_metrics(
-        self, x, y, sample_weight, log_kernel, penalty, objective, bce, labels_one_hot
+        self, x, y, sample_weight, log_kernel, penalty, objective, bce, labels_one_hot,
+        applied=None,
     ):
-        batch_size = ops.shape(log_kernel)[0]
-        self._loss_tracker.update_state(objective, sample_weight=batch_size)
-        self._bce_tracker.update_state(bce, sample_weight=batch_size)
-        if penalty is not None:
-            self._penalty_tracker.update_state(ops.mean(penalty), sample_weight=batch_size)
-        correct = ops.cast(
-            ops.equal(
-                ops.argmax(log_kernel, axis=-1), ops.argmax(labels_one_hot, axis=-1)
-            ),
-            "float32",
-        )
-        self._accuracy_tracker.update_state(correct, sample_weight=sample_weight)
-        logs = self.compute_metrics(x, y, ops.exp(log_kernel), sample_weight)
+        def update():
+            batch_size = ops.shape(log_kernel)[0]
+            self._loss_tracker.update_state(objective, sample_weight=batch_size)
+            self._bce_tracker.update_state(bce, sample_weight=batch_size)
+            if penalty is not None:
+                self._penalty_tracker.update_state(
+                    ops.mean(penalty), sample_weight=batch_size
+                )
+            correct = ops.cast(
+                ops.equal(
+                    ops.argmax(log_kernel, axis=-1), ops.argmax(labels_one_hot, axis=-1)
+                ),
+                "float32",
+            )
+            self._accuracy_tracker.update_state(correct, sample_weight=sample_weight)
+            self.compute_metrics(x, y, ops.exp(log_kernel), sample_weight)
+
+        _run_if(applied, update)
+        logs = self.get_metrics_result()
         if _is_multi_worker(tf.distribute.get_strategy()):
             # Keras reduces each log over workers with `reduce("MEAN",
             # axis=0)`, which needs a batch axis; metric results are scalars
@@ -538,6 +546,19 @@ def _scale_loss_for_distribution(loss):
     if num_replicas > 1:
         loss = loss / num_replicas
     return loss
+
+
+def _run_if(condition, function):
+    """Runs `function` (for its effects) if `condition`; always if it is `None`."""
+    if condition is None:
+        function()
+        return
+
+    def run():
+        function()
+        return tf.constant(True)
+
+    tf.cond(condition, run, lambda: tf.constant(False))
 
 
 def _is_multi_worker(strategy):
