@@ -99,9 +99,14 @@ def build(kind, task, jit_compile=False):
     return model
 
 
-def median_seconds(fn, warmup, windows, calls_per_window):
+def median_seconds(fn, warmup, windows, calls_per_window, min_window_s=0.5):
+    start = time.perf_counter()
     for _ in range(warmup):
         fn()
+    # Millisecond steps (the MLP) need many calls per window to rise above
+    # the machine's noise.
+    per_call = (time.perf_counter() - start) / warmup
+    calls_per_window = max(calls_per_window, int(min_window_s / per_call))
     times = []
     for _ in range(windows):
         start = time.perf_counter()
