@@ -152,10 +152,8 @@ class DUQModel(keras.Model):
 
         def gradients_and_losses(x, labels_one_hot, sample_weight):
             with tf.GradientTape() as tape:
-                log_kernel, penalty = self._log_kernel_and_penalty(x, training=True)
-                loss, bce = self._loss(log_kernel, penalty, labels_one_hot, sample_weight)
-                objective = loss + _ops.coupled_weight_decay_loss(
-                    trainable_weights, self.weight_decay
+                log_kernel, penalty, objective, bce = self._objective(
+                    x, labels_one_hot, sample_weight, training=True
                 )
                 scaled = _scale_loss_for_distribution(objective)
                 scaled = self.optimizer.scale_loss(scaled)
@@ -179,17 +177,11 @@ class DUQModel(keras.Model):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         x, labels_one_hot, sample_weight = self._validate_batch(x, y, sample_weight)
 
-        def losses(x, labels_one_hot, sample_weight):
-            log_kernel, penalty = self._log_kernel_and_penalty(x, training=False)
-            loss, bce = self._loss(log_kernel, penalty, labels_one_hot, sample_weight)
-            objective = loss + _ops.coupled_weight_decay_loss(
-                self.trainable_weights, self.weight_decay
+        log_kernel, penalty, objective, bce = self._maybe_xla(
+            lambda x, labels_one_hot, sample_weight: self._objective(
+                x, labels_one_hot, sample_weight, training=False
             )
-            return log_kernel, penalty, objective, bce
-
-        log_kernel, penalty, objective, bce = self._maybe_xla(losses)(
-            x, labels_one_hot, sample_weight
-        )
+        )(x, labels_one_hot, sample_weight)
         return self._update_metrics(
             x, y, sample_weight, log_kernel, penalty, objective, bce, labels_one_hot
         )
@@ -295,6 +287,15 @@ class DUQModel(keras.Model):
         if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
             return None
         return ops.cast(optimizer.scale_loss(1.0), "float32")
+
+    def _objective(self, x, labels_one_hot, sample_weight, training):
+        """Kernel values (log), penalty, full objective and its BCE part."""
+        log_kernel, penalty = self._log_kernel_and_penalty(x, training=training)
+        loss, bce = self._loss(log_kernel, penalty, labels_one_hot, sample_weight)
+        objective = loss + _ops.coupled_weight_decay_loss(
+            self.trainable_weights, self.weight_decay
+        )
+        return log_kernel, penalty, objective, bce
 
     def _loss(self, log_kernel, penalty, labels_one_hot, sample_weight):
         """Mean over the batch of the weighted per-example loss, and its BCE part."""
