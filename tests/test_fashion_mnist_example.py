@@ -57,6 +57,36 @@ def test_duq_smoke_run_learns(tmp_path, mnist_dir, fashion_mnist_dir):
         assert (tmp_path / name).stat().st_size > 1000, name
 
 
+def test_backup_dir_resumes_from_the_last_finished_epoch(
+    tmp_path, mnist_dir, fashion_mnist_dir
+):
+    example = _import_example()
+
+    def run(epochs):
+        return example.main(
+            [
+                "--model", "duq", "--epochs", str(epochs), "--batch-size", "64",
+                "--train-subset", "256", "--test-subset", "256", "--seed", "0",
+                "--ood-eval-every", "0", "--verbose", "0",
+                "--mnist-path", str(mnist_dir),
+                "--fashion-mnist-path", str(fashion_mnist_dir),
+                "--output-dir", str(tmp_path / "out"),
+                "--backup-dir", str(tmp_path / "backup"),
+            ]
+        )
+
+    first = run(1)
+    log = tmp_path / "backup" / "member_0" / "epochs.jsonl"
+    (epoch_1,) = [json.loads(line) for line in log.read_text().splitlines()]
+    second = run(2)  # resumes: trains epoch 2 only
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["epoch"] for r in records] == [1, 2]
+    assert records[0] == epoch_1  # not trained again
+    assert second["history"]["loss"][0] == pytest.approx(first["history"]["loss"][0])
+    assert len(second["history"]["loss"]) == 2
+    assert second["train_time_s"] == pytest.approx(sum(r["seconds"] for r in records))
+
+
 def test_softmax_model_matches_the_paper():
     example = _import_example()
     args = example.parse_args(["--model", "softmax"])
