@@ -48,11 +48,19 @@ SGD_MOMENTUM = 0.9
 LR_DECAY_FACTOR = 5.0
 LR_DECAY_EVERY_EPOCHS = 10
 
-# PyTorch's default initialisation of conv and linear kernels (the paper's
-# "default in PyTorch"): uniform in +-1/sqrt(fan_in).
-PYTORCH_DEFAULT_INITIALIZER = keras.initializers.VarianceScaling(
-    scale=1.0 / 3.0, mode="fan_in", distribution="uniform"
-)
+
+
+def pytorch_default_initializer() -> keras.initializers.Initializer:
+    """PyTorch's default for conv and linear kernels (the paper's "default in
+    PyTorch"): uniform in +-1/sqrt(fan_in).
+
+    A new instance per layer, created after `set_random_seed`: an instance
+    made at import time would draw its seed before the script sets one, and
+    `--seed` would not fix the initial weights.
+    """
+    return keras.initializers.VarianceScaling(
+        scale=1.0 / 3.0, mode="fan_in", distribution="uniform"
+    )
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -79,6 +87,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="Initializer of DUQ's projection W: 'reference' (normal, stddev "
         "0.05, as the paper's code) or a Keras initializer name such as "
         "'he_normal' (keras_duq's default).",
+    )
+    parser.add_argument(
+        "--bce-epsilon", type=float, default=0.0,
+        help="Floor of K(1-K) in the cross-entropy gradient: 0 is exact, "
+        "1e-12 is PyTorch's binary_cross_entropy as in the paper's code "
+        "(see keras_duq.DUQModel).",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -142,6 +156,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.validation_split < 0 or args.ood_eval_every < 0:
         parser.error("--validation-split and --ood-eval-every must be >= 0")
+    if not args.bce_epsilon >= 0:
+        parser.error("--bce-epsilon must be >= 0 (0: the exact gradient)")
     if args.tensorboard:
         try:
             import tensorboard  # noqa: F401
@@ -171,7 +187,7 @@ def build_backbone(l2: float = 0.0) -> keras.Sequential:
         return [
             keras.layers.Conv2D(
                 filters, 3, padding=padding,
-                kernel_initializer=PYTORCH_DEFAULT_INITIALIZER,
+                kernel_initializer=pytorch_default_initializer(),
                 kernel_regularizer=regularizer, bias_regularizer=regularizer,
             ),
             keras.layers.BatchNormalization(
@@ -191,7 +207,7 @@ def build_backbone(l2: float = 0.0) -> keras.Sequential:
             keras.layers.Flatten(),
             keras.layers.Dense(
                 256, activation="relu",
-                kernel_initializer=PYTORCH_DEFAULT_INITIALIZER,
+                kernel_initializer=pytorch_default_initializer(),
                 kernel_regularizer=regularizer, bias_regularizer=regularizer,
             ),
         ],
@@ -236,6 +252,7 @@ def build_duq_model(args, steps_per_epoch: int) -> keras_duq.DUQModel:
         ),
         gradient_penalty=args.gradient_penalty,
         weight_decay=WEIGHT_DECAY,
+        bce_epsilon=args.bce_epsilon,
     )
     model.compile(
         optimizer=make_optimizer(steps_per_epoch, args.epochs),
@@ -258,7 +275,7 @@ def build_softmax_model(args, steps_per_epoch: int) -> keras.Model:
             build_backbone(l2),
             keras.layers.Dense(
                 NUM_CLASSES, activation="softmax",
-                kernel_initializer=PYTORCH_DEFAULT_INITIALIZER,
+                kernel_initializer=pytorch_default_initializer(),
                 kernel_regularizer=regularizer, bias_regularizer=regularizer,
             ),
         ],

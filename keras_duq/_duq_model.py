@@ -94,6 +94,13 @@ class DUQModel(keras.Model):
             (the loss gets `weight_decay / 2 * sum ||w||^2`). This is
             PyTorch SGD's `weight_decay`, not the decoupled `weight_decay` of
             Keras optimizers. Defaults to `1e-4`, the paper's value.
+        bce_epsilon: float >= 0, floor of `K (1 - K)` in the denominator of
+            the cross-entropy's gradient with respect to each kernel value
+            `K`. `0` (default) gives the exact gradient. `1e-12` gives the
+            gradient of PyTorch's `binary_cross_entropy`, as in the paper's
+            code: a kernel value far below `1e-12`, as every one is at
+            initialisation, then gets almost no gradient until the centroids
+            have moved to the class means. The loss value is the same.
         **kwargs: base model keyword arguments such as `name`.
     """
 
@@ -104,10 +111,12 @@ class DUQModel(keras.Model):
         gradient_penalty: float = DEFAULT_GRADIENT_PENALTY,
         penalty: str = "two_sided",
         weight_decay: float = DEFAULT_WEIGHT_DECAY,
+        bce_epsilon: float = 0.0,
         **kwargs,
     ):
         check_non_negative("gradient_penalty", gradient_penalty)
         check_non_negative("weight_decay", weight_decay)
+        check_non_negative("bce_epsilon", bce_epsilon)
         _ops.validate_penalty(penalty)
         duq_output = _find_duq_output(outputs)
         feature_extractor = keras.Model(
@@ -129,6 +138,7 @@ class DUQModel(keras.Model):
         self.gradient_penalty = float(gradient_penalty)
         self.penalty = penalty
         self.weight_decay = float(weight_decay)
+        self.bce_epsilon = float(bce_epsilon)
         self.num_classes = duq_output.num_classes
         self._bce_tracker = keras.metrics.Mean(name="bce")
         self._penalty_tracker = (
@@ -299,7 +309,9 @@ class DUQModel(keras.Model):
 
     def _loss(self, log_kernel, penalty, labels_one_hot, sample_weight):
         """Mean over the batch of the weighted per-example loss, and its BCE part."""
-        bce = _ops.binary_cross_entropy(log_kernel, labels_one_hot)
+        bce = _ops.binary_cross_entropy(
+            log_kernel, labels_one_hot, self.bce_epsilon
+        )
         per_example = bce
         if penalty is not None:
             per_example = bce + self.gradient_penalty * penalty
@@ -526,6 +538,7 @@ class DUQModel(keras.Model):
             "gradient_penalty": self.gradient_penalty,
             "penalty": self.penalty,
             "weight_decay": self.weight_decay,
+            "bce_epsilon": self.bce_epsilon,
         }
 
     @classmethod

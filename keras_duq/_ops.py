@@ -57,21 +57,43 @@ def log_kernel_values(distances, length_scale):
     return -distances / (2.0 * ops.square(length_scale))
 
 
-def binary_cross_entropy(log_kernel, labels_one_hot):
+def binary_cross_entropy(log_kernel, labels_one_hot, epsilon=0.0):
     """Per-example DUQ loss: binary cross-entropy of each kernel value.
 
     `-mean_c [y_c log K_c + (1 - y_c) log(1 - K_c)]`, computed from
-    `log K_c` with `log(1 - K_c) = log(-expm1(log K_c))`. Unlike
-    `keras.losses.binary_crossentropy`, nothing is clipped at 1e-7, so a
-    saturated kernel still gets the gradient that pulls it to its centroid.
+    `log K_c` with `log(1 - K_c) = log(-expm1(log K_c))`, so the value is
+    exact even where the kernel values underflow.
+
+    Its gradient with respect to each kernel value is
+    `(K_c - y_c) / max(K_c (1 - K_c), epsilon) / num_classes`. With
+    `epsilon=0` this is the exact gradient: a feature vector far from its
+    class centroid is pulled towards it however small its kernel value.
+    With `epsilon > 0` it is the gradient of PyTorch's
+    `binary_cross_entropy` (which uses `epsilon=1e-12`), the loss of the
+    paper's code: a kernel value far below `epsilon` gets almost no
+    gradient, so at initialisation, when every kernel value is tiny, the
+    centroids first move to the class means (their moving average) before
+    the loss pulls features to them. The loss value is the same either way.
 
     Args:
         log_kernel: `(batch, num_classes)` from `log_kernel_values`.
         labels_one_hot: `(batch, num_classes)` one-hot labels (float32).
+        epsilon: float >= 0, floor of `K (1 - K)` in the gradient's
+            denominator; `0` for the exact gradient.
 
     Returns:
         `(batch,)` loss per example (averaged over classes).
     """
+    if epsilon > 0:
+        # d/d(log K) of the exact loss times min(1, K (1 - K) / epsilon):
+        # the value is unchanged, only the gradient is scaled.
+        kernel = ops.exp(log_kernel)
+        gradient_scale = ops.stop_gradient(
+            ops.minimum(1.0, kernel * (1.0 - kernel) / epsilon)
+        )
+        log_kernel = gradient_scale * log_kernel + ops.stop_gradient(
+            (1.0 - gradient_scale) * log_kernel
+        )
     log_one_minus_kernel = ops.log(
         -ops.expm1(ops.minimum(log_kernel, _LOG_KERNEL_CEILING))
     )

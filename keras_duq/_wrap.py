@@ -22,6 +22,7 @@ def wrap(
     gradient_penalty: float = DEFAULT_GRADIENT_PENALTY,
     penalty: str = "two_sided",
     weight_decay: float = DEFAULT_WEIGHT_DECAY,
+    bce_epsilon: float = 0.0,
     trainable_length_scale: bool = False,
     input_shape=None,
     name: str | None = None,
@@ -66,6 +67,9 @@ def wrap(
         penalty: `"two_sided"` (default) or `"one_sided"`.
         weight_decay: float >= 0, coupled L2 weight decay (each gradient gets
             `+ weight_decay * w`). Defaults to `1e-4`, as in the paper.
+        bce_epsilon: float >= 0, floor of `K (1 - K)` in the cross-entropy
+            gradient's denominator; `0` (default) is the exact gradient,
+            `1e-12` that of the paper's PyTorch code (see `DUQModel`).
         trainable_length_scale: bool, learn one length scale per class.
             Defaults to `False`.
         input_shape: tuple, the input shape without the batch dimension.
@@ -108,6 +112,7 @@ def wrap(
         gradient_penalty=gradient_penalty,
         penalty=penalty,
         weight_decay=weight_decay,
+        bce_epsilon=bce_epsilon,
         name=name,
     )
 

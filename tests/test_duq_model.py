@@ -140,6 +140,26 @@ def test_coupled_weight_decay_adds_weight_decay_times_weight():
         np.testing.assert_allclose(a.numpy() - b.numpy(), -0.01 * w0, atol=1e-6)
 
 
+def test_bce_epsilon_stops_the_pull_of_far_centroids():
+    # At initialisation every kernel value is far below 1e-12 (length scale
+    # 0.01). With the paper code's epsilon the cross-entropy then barely
+    # moves the backbone; the exact gradient moves it.
+    x, y = _data()
+
+    def weight_change(bce_epsilon):
+        model = _model(gradient_penalty=0.0, weight_decay=0.0, bce_epsilon=bce_epsilon)
+        model.duq_output.length_scales.assign(np.full(3, 0.01, "float32"))
+        model.compile(optimizer=keras.optimizers.SGD(0.05))
+        assert model.predict_on_batch(x).max() < 1e-12
+        before = model.feature_extractor.trainable_weights[0].numpy().copy()
+        model.train_on_batch(x, y)
+        return np.abs(model.feature_extractor.trainable_weights[0].numpy() - before).max()
+
+    exact, floored = weight_change(0.0), weight_change(1e-12)
+    assert exact > 1e-3
+    assert floored < 1e-6 * exact
+
+
 def _penalty_term(model, x):
     _, penalty = model._log_kernel_and_penalty(x, training=False)
     return tf.reduce_mean(penalty)
@@ -799,6 +819,7 @@ def test_xla_step_matches_graph_step():
     [
         ({"gradient_penalty": -1.0}, "gradient_penalty"),
         ({"weight_decay": -1e-4}, "weight_decay"),
+        ({"bce_epsilon": -1e-12}, "bce_epsilon"),
         ({"penalty": "both"}, "two_sided"),
     ],
 )

@@ -65,6 +65,41 @@ def test_binary_cross_entropy_keeps_gradient_when_kernels_saturate():
     assert clipped_gradient[0, 0] == 0.0
 
 
+@pytest.mark.parametrize("epsilon", [1e-12, 1e-7])
+def test_binary_cross_entropy_epsilon_gives_the_floored_gradient(epsilon):
+    # dL/dK_c = (K_c - y_c) / max(K_c (1 - K_c), epsilon) / num_classes, so
+    # dL/dlog K_c = K_c times that: hand-computed in float64.
+    log_kernel_values = np.array(
+        [[-60.0, -2.0, -40.0], [-1e-3, -25.0, -0.5]], dtype="float32"
+    )
+    labels = tf.constant([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
+    log_kernel = tf.Variable(log_kernel_values)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(_ops.binary_cross_entropy(log_kernel, labels, epsilon))
+    kernel = np.exp(log_kernel_values.astype("float64"))
+    expected = (
+        kernel * (kernel - labels.numpy())
+        / np.maximum(kernel * (1 - kernel), epsilon) / 3
+    )
+    np.testing.assert_allclose(
+        tape.gradient(loss, log_kernel).numpy(), expected, rtol=1e-5, atol=1e-30
+    )
+    # Only the gradient changes, not the value.
+    np.testing.assert_allclose(
+        _ops.binary_cross_entropy(log_kernel_values, labels, epsilon),
+        _ops.binary_cross_entropy(log_kernel_values, labels),
+        rtol=1e-6,
+    )
+
+
+def test_binary_cross_entropy_epsilon_zero_is_exact_gradient():
+    log_kernel = tf.Variable([[-60.0, -2.0]])
+    labels = tf.constant([[1.0, 0.0]])
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(_ops.binary_cross_entropy(log_kernel, labels, 0.0))
+    np.testing.assert_allclose(tape.gradient(loss, log_kernel).numpy()[0, 0], -0.5)
+
+
 def test_binary_cross_entropy_is_finite_at_zero_distance():
     log_kernel = tf.constant([[0.0, 0.0]])
     labels = tf.constant([[1.0, 0.0]])

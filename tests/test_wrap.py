@@ -51,10 +51,12 @@ def test_functional_backbone_and_arguments_reach_the_parts():
         gradient_penalty=0.3,
         penalty="one_sided",
         weight_decay=1e-3,
+        bce_epsilon=1e-12,
     )
     head = model.duq_output
     assert (head.num_classes, head.centroid_dims, head.length_scale, head.momentum) == (4, 3, 0.2, 0.95)
     assert (model.gradient_penalty, model.penalty, model.weight_decay) == (0.3, "one_sided", 1e-3)
+    assert model.bce_epsilon == 1e-12
     x = np.random.default_rng(0).normal(size=(8, 5)).astype("float32")
     _train_one_step(model, x, 4)
 
