@@ -10,6 +10,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fashion_mnist.py"
@@ -121,3 +122,25 @@ def test_duq_model_settings():
     assert model.duq_output.momentum == 0.999
     assert model.duq_output.kernel.shape == (256, 256 * 10)
     assert model.duq_output.kernel_initializer.get_config()["stddev"] == 0.05
+    assert model.bce_epsilon == 0.0
+    assert example.build_duq_model(
+        example.parse_args(["--bce-epsilon", "1e-12"]), steps_per_epoch=4
+    ).bce_epsilon == 1e-12
+
+
+def test_seed_fixes_the_initial_weights():
+    # The backbone's initializers must draw their seeds after
+    # `set_random_seed`, or `--seed` would not fix the initial weights.
+    import keras
+
+    example = _import_example()
+
+    def initial_weights(seed):
+        keras.utils.set_random_seed(seed)
+        return [w.numpy() for w in example.build_backbone().weights]
+
+    first, other, again = initial_weights(0), initial_weights(1), initial_weights(0)
+    for a, b, c in zip(first, other, again):
+        np.testing.assert_array_equal(a, c)
+    kernels = [i for i, w in enumerate(first) if w.ndim > 1]
+    assert all(not np.array_equal(first[i], other[i]) for i in kernels)
