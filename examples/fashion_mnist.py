@@ -49,7 +49,6 @@ LR_DECAY_FACTOR = 5.0
 LR_DECAY_EVERY_EPOCHS = 10
 
 
-
 def pytorch_default_initializer() -> keras.initializers.Initializer:
     """PyTorch's default for conv and linear kernels (the paper's "default in
     PyTorch"): uniform in +-1/sqrt(fan_in).
