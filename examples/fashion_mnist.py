@@ -289,6 +289,22 @@ def build_softmax_model(args, steps_per_epoch: int) -> keras.Model:
     return model
 
 
+def build_model(args, steps_per_epoch: int, seed: int) -> keras.Model:
+    """The `--model` of `seed`, built from a fresh Keras state.
+
+    Keras's global seed generator and layer name counters survive
+    `set_random_seed`, so without the fresh state a seed would give other
+    initial weights after another model was built in the same process.
+    With it, ensemble member `i` is the model that `--model softmax --seed
+    seed + i` trains, and members can be trained in separate processes.
+    """
+    keras.backend.clear_session()
+    keras.utils.set_random_seed(seed)
+    if args.model == "duq":
+        return build_duq_model(args, steps_per_epoch)
+    return build_softmax_model(args, steps_per_epoch)
+
+
 def _jit_compile(args):
     return {"auto": "auto", "true": True, "false": False}[args.jit_compile]
 
@@ -504,16 +520,7 @@ def main(argv=None) -> dict:
     for index in range(num_models):
         # Ensemble members differ by their initialisation and data order.
         seed = args.seed + index
-        if index == 0:
-            # A fresh Keras state, so that a seed gives the same model
-            # whatever ran before in this process (Keras's global seed
-            # generator and layer name counters survive set_random_seed).
-            keras.backend.clear_session()
-        keras.utils.set_random_seed(seed)
-        if args.model == "duq":
-            model = build_duq_model(args, steps_per_epoch)
-        else:
-            model = build_softmax_model(args, steps_per_epoch)
+        model = build_model(args, steps_per_epoch, seed)
         callbacks = training_callbacks(
             args, test, x_ood, method,
             log_dir if num_models == 1 else os.path.join(log_dir, f"member_{index}"),

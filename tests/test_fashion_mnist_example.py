@@ -143,3 +143,18 @@ def test_seed_fixes_the_initial_weights():
         np.testing.assert_array_equal(a, c)
     kernels = [i for i, w in enumerate(first) if w.ndim > 1]
     assert all(not np.array_equal(first[i], other[i]) for i in kernels)
+
+
+def test_ensemble_member_is_the_softmax_run_of_its_seed():
+    # So a member can be trained on its own (`--model softmax --seed 0+i`)
+    # and its state dropped into the ensemble's `member_i` backup.
+    example = _import_example()
+    ensemble = example.parse_args(["--model", "ensemble"])
+    example.build_model(ensemble, steps_per_epoch=4, seed=0)  # member 0
+    member_1 = example.build_model(ensemble, steps_per_epoch=4, seed=1).weights
+    member_1 = [w.numpy() for w in member_1]
+    softmax = example.parse_args(["--model", "softmax"])
+    alone = example.build_model(softmax, steps_per_epoch=4, seed=1).weights
+    assert len(member_1) == len(alone)
+    for a, b in zip(member_1, alone):
+        np.testing.assert_array_equal(a, b)
