@@ -6,6 +6,7 @@ import keras
 import tensorflow as tf
 from keras import ops
 
+from keras_duq import _moments
 from keras_duq import _ops
 from keras_duq._duq_output import DUQOutput
 from keras_duq._validation import check_non_negative
@@ -29,7 +30,12 @@ class DUQModel(keras.Model):
        each kernel value against the one-hot label (computed in log space),
        averaged over classes and batch, plus `gradient_penalty` times the
        penalty on `||grad_x sum_c K_c||_2` (double backprop with a nested
-       `tf.GradientTape`), plus the coupled L2 weight decay.
+       `tf.GradientTape`), plus the coupled L2 weight decay. In the
+       penalty's forward pass, Keras's `BatchNormalization` and
+       `GroupNormalization` compute their batch statistics with a formula
+       that TensorFlow differentiates exactly twice (`tf.nn.moments`, used
+       otherwise, drops a term of the second derivative); the values are
+       the same.
     2. Optimizer step on all trainable weights.
     3. Centroid moving-average update from the same batch, with features
        recomputed in inference mode (`DUQOutput.update_centroids`).
@@ -267,7 +273,10 @@ class DUQModel(keras.Model):
             return self.duq_output.log_kernel_values(features), None
         float_inputs = [t for t in tf.nest.flatten(x) if _is_float(t.dtype)]
         scale = self._input_gradient_scale()
-        with tf.GradientTape(watch_accessed_variables=False) as inner_tape:
+        with (
+            tf.GradientTape(watch_accessed_variables=False) as inner_tape,
+            _moments.second_order_moments(),
+        ):
             inner_tape.watch(float_inputs)
             features = self.feature_extractor(x, training=training)
             log_kernel = self.duq_output.log_kernel_values(features)
