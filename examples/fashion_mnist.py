@@ -292,11 +292,10 @@ def build_softmax_model(args, steps_per_epoch: int) -> keras.Model:
 def build_model(args, steps_per_epoch: int, seed: int) -> keras.Model:
     """The `--model` of `seed`, built from a fresh Keras state.
 
-    Keras's global seed generator and layer name counters survive
-    `set_random_seed`, so without the fresh state a seed would give other
-    initial weights after another model was built in the same process.
-    With it, ensemble member `i` is the model that `--model softmax --seed
-    seed + i` trains, and members can be trained in separate processes.
+    Keras's layer-name counters and other global state survive
+    `set_random_seed`. Starting fresh makes ensemble member `i` the same
+    model, names included, that `--model softmax --seed seed + i` builds in
+    a new process, so members can be trained in separate processes.
     """
     keras.backend.clear_session()
     keras.utils.set_random_seed(seed)

@@ -47,10 +47,6 @@ def moments(x, axes, keepdims=False):
     return mean, variance
 
 
-def _keras_moments(x, axes, keepdims):
-    return moments(x, axes, keepdims=keepdims)
-
-
 def is_supported() -> bool:
     """Whether the installed Keras computes batch moments where we can swap them."""
     return hasattr(_keras_tf_nn, _KERAS_MOMENTS)
@@ -82,7 +78,7 @@ def second_order_moments():
     with _lock:
         if _depth == 0:
             _original = getattr(_keras_tf_nn, _KERAS_MOMENTS)
-            setattr(_keras_tf_nn, _KERAS_MOMENTS, _keras_moments)
+            setattr(_keras_tf_nn, _KERAS_MOMENTS, moments)
         _depth += 1
     try:
         yield
