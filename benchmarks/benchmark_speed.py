@@ -15,8 +15,9 @@ Measures, in one run on one machine with the same data shapes:
 - one full epoch of real FashionMNIST through `model.fit` and the
   `tf.data` pipeline (`keras_duq.make_dataset`) against the sum of its steps
   (steps x the step time of the same `fit` on one batch held in memory,
-  timed before and after the epoch), with the median batch time inside the
-  epoch, and the peak resident memory of that training process (each model
+  the faster of a run before and one after the epoch), with the batch
+  times inside the epoch and the time outside them, and the peak resident
+  memory of that training process (each model
   in a fresh process).
 
 Prints absolute numbers and the ratios DUQ / softmax, and writes them as
@@ -224,7 +225,7 @@ def epoch_run(kind, steps, warmup_windows, memory_steps=40):
     after the epoch; the faster of the two counts. Inside the epoch each
     batch's time (the wait for its data included) and the time outside the
     batches are recorded, to tell a slow input pipeline (slow batches) from
-    `fit`'s own overhead (time between batches). The step time of the train
+    time `fit` spends outside the batches (before, between, after them). The step time of the train
     function on a fixed-shape batch (`step_seconds`, as in the step
     benchmark) is reported beside it.
     """
@@ -261,6 +262,8 @@ def epoch_run(kind, steps, warmup_windows, memory_steps=40):
     # other (a stall, not a slower step); the faster one is the steady step
     # time, and makes the epoch's ratio the stricter one.
     step = min(before, after)
+    batch_seconds = batch_times.seconds
+    median_batch = statistics.median(batch_seconds)
     return {
         "steps": steps,
         "epoch_s": epoch,
@@ -268,14 +271,12 @@ def epoch_run(kind, steps, warmup_windows, memory_steps=40):
         "fit_memory_step_before_after_s": [before, after],
         "sum_of_steps_s": steps * step,
         "epoch_over_sum_of_steps": epoch / (steps * step),
-        "median_batch_in_epoch_s": statistics.median(batch_times.seconds),
-        "sum_of_batches_in_epoch_s": sum(batch_times.seconds),
+        "median_batch_in_epoch_s": median_batch,
+        "sum_of_batches_in_epoch_s": sum(batch_seconds),
         # A tail of slow batches (a stall, or this shared machine slowing
         # down) shows as a sum of batch times well above steps x the median.
-        "batches_over_twice_the_median": sum(
-            t > 2 * statistics.median(batch_times.seconds) for t in batch_times.seconds
-        ),
-        "slowest_batches_in_epoch_s": sorted(batch_times.seconds)[-5:],
+        "batches_over_twice_the_median": sum(t > 2 * median_batch for t in batch_seconds),
+        "slowest_batches_in_epoch_s": sorted(batch_seconds)[-5:],
         # The rest of the epoch: `fit`'s set-up before the first batch, the
         # loop between batches, and the tear-down after the last.
         "before_first_batch_s": batch_times.begin[0] - fit_start,
@@ -283,7 +284,7 @@ def epoch_run(kind, steps, warmup_windows, memory_steps=40):
             begin - end for begin, end in zip(batch_times.begin[1:], batch_times.end)
         ),
         "after_last_batch_s": fit_start + epoch - batch_times.end[-1],
-        "first_batch_in_epoch_s": batch_times.seconds[0],
+        "first_batch_in_epoch_s": batch_seconds[0],
         "fixed_shape_step_s": fixed_shape_step,
         "epoch_over_sum_of_fixed_shape_steps": epoch / (steps * fixed_shape_step),
         # Linux reports kilobytes.
@@ -365,7 +366,8 @@ def print_report(report):
             f" (in-memory step {values['fit_memory_step_s'] * 1000:.0f} ms, the faster of before/after:"
             f" {values['fit_memory_step_before_after_s'][0] * 1000:.0f}/"
             f"{values['fit_memory_step_before_after_s'][1] * 1000:.0f} ms; median batch in"
-            f" the epoch {values['median_batch_in_epoch_s'] * 1000:.0f} ms; first batch"
+            f" the epoch {values['median_batch_in_epoch_s'] * 1000:.0f} ms; after the last"
+            f" batch {values['after_last_batch_s']:.1f} s; first batch"
             f" {values['first_batch_in_epoch_s']:.2f} s; fixed-shape step"
             f" {values['fixed_shape_step_s'] * 1000:.0f} ms);"
             f" peak RSS {values['peak_rss_mb']:7.0f} MB"

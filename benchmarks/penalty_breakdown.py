@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 import benchmark_speed as speed
@@ -132,5 +131,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    np.random.seed(0)
     main()
