@@ -128,8 +128,8 @@ def _batch(task, batch_size=None, seed=0):
     return x, y
 
 
-def step_seconds(model, task, windows):
-    """Median time of one training step on a batch held in memory."""
+def train_step(model, task):
+    """A zero-argument callable running one training step on a batch in memory."""
     x, y = _batch(task)
     iterator = iter(tf.data.Dataset.from_tensors((x, y)).repeat())
     model.make_train_function()
@@ -139,7 +139,24 @@ def step_seconds(model, task, windows):
         logs = model.train_function(iterator)
         float(logs["loss"])
 
-    return median_seconds(step, warmup=3, windows=windows, calls_per_window=5)
+    return step
+
+
+def step_seconds(model, task, windows):
+    """Median time of one training step on a batch held in memory."""
+    return median_seconds(
+        train_step(model, task), warmup=3, windows=windows, calls_per_window=5
+    )
+
+
+def machine():
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor(),
+        "cpus": os.cpu_count(),
+        "tensorflow": tf.__version__,
+        "keras": keras.__version__,
+    }
 
 
 def train_benchmark(task, windows):
@@ -399,13 +416,7 @@ def main(argv=None):
         return None
     epoch_steps = args.epoch_steps or (60 if args.quick else None)
     report = {
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor(),
-            "cpus": os.cpu_count(),
-            "tensorflow": tf.__version__,
-            "keras": keras.__version__,
-        },
+        "machine": machine(),
         "train": {task: train_benchmark(task, windows) for task in TASKS},
         "inference": {task: inference_benchmark(task, windows) for task in TASKS},
     }

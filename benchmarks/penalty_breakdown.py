@@ -55,17 +55,9 @@ def _steppers(batch_norm):
         speed.TASKS[TASK]["backbone"] = _without_batch_normalization
     try:
         steppers = {}
-        x, y = speed._batch(TASK)
         for kind in speed.KINDS:
             keras.utils.set_random_seed(0)
-            model = speed.build(kind, TASK)
-            iterator = iter(tf.data.Dataset.from_tensors((x, y)).repeat())
-            model.make_train_function()
-
-            def step(model=model, iterator=iterator):
-                float(model.train_function(iterator)["loss"])
-
-            steppers[kind] = step
+            steppers[kind] = speed.train_step(speed.build(kind, TASK), TASK)
         return steppers
     finally:
         speed.TASKS[TASK]["backbone"] = original
@@ -116,8 +108,7 @@ def main(argv=None):
         rounds = " ".join(f"{t * 1000:.0f}" for t in times[name])
         print(f"{name:48s} {value * 1000:10.1f} {ratios[name]:9.2f}x   ({rounds})")
     report = {
-        "tensorflow": tf.__version__,
-        "keras": keras.__version__,
+        "machine": speed.machine(),
         "rounds": args.rounds,
         "calls_per_round": args.calls,
         "median_step_s": medians,
