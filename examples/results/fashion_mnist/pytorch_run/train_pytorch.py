@@ -60,7 +60,7 @@ def load(name, split):
 
 
 class DUQNet(nn.Module):
-    def __init__(self):
+    def __init__(self, bias_init="pytorch"):
         super().__init__()
         self.conv = nn.ModuleList(
             [nn.Conv2d(1, 64, 3, padding=1), nn.Conv2d(64, 128, 3, padding=1),
@@ -71,6 +71,10 @@ class DUQNet(nn.Module):
         self.W = nn.Parameter(torch.normal(torch.zeros(256, NUM_CLASSES, 256), 0.05))
         self.register_buffer("N", torch.full((NUM_CLASSES,), 12.0))
         self.register_buffer("m", torch.normal(torch.zeros(256, NUM_CLASSES), 1.0) * 12.0)
+        if bias_init == "zeros":
+            # As Keras's Conv2D and Dense start (PyTorch draws them uniformly).
+            for layer in [*self.conv, self.dense]:
+                nn.init.zeros_(layer.bias)
 
     def embed(self, x):
         for conv, norm in zip(self.conv, self.norm):
@@ -117,10 +121,23 @@ def main():
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--state-dir", required=True)
     parser.add_argument("--max-steps", type=int, default=None, help="timing only")
+    parser.add_argument(
+        "--train-subset", type=int, default=None,
+        help="train on the first N images only (smoke tests of this script)",
+    )
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument(
         "--tf32", choices=("on", "off"), default="on",
         help="on a GPU: cuDNN convolutions in TF32 (PyTorch's default) or float32",
+    )
+    parser.add_argument(
+        "--bias-init", choices=("pytorch", "zeros"), default="pytorch",
+        help="conv and dense biases: PyTorch's uniform default or zeros (Keras's)",
+    )
+    parser.add_argument(
+        "--last-batch", choices=("drop", "keep"), default="drop",
+        help="the epoch's last partial batch: dropped (the paper's code) or kept "
+        "(keras_duq.make_dataset)",
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -130,12 +147,12 @@ def main():
     state_path = os.path.join(args.state_dir, "state.pt")
     log_path = os.path.join(args.state_dir, "epochs.jsonl")
 
-    x_train, y_train = (t.to(device) for t in load("fashion", "train"))
+    x_train, y_train = (t[:args.train_subset].to(device) for t in load("fashion", "train"))
     x_test, y_test = (t.to(device) for t in load("fashion", "t10k"))
     x_ood = load("mnist", "t10k")[0].to(device)
 
     torch.manual_seed(args.seed)
-    net = DUQNet().to(device)
+    net = DUQNet(args.bias_init).to(device)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
     scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, [10, 20], gamma=0.2)
     generator = torch.Generator().manual_seed(args.seed)
@@ -153,8 +170,12 @@ def main():
     for epoch in range(start_epoch + 1, args.epochs + 1):
         started = time.perf_counter()
         order = torch.randperm(len(x_train), generator=generator).to(device)
-        totals = {"bce": 0.0, "gradient_penalty": 0.0, "accuracy": 0.0}
+        # Summed on the device: reading them every step would make the GPU wait.
+        totals = {k: torch.zeros((), device=device)
+                  for k in ("bce", "gradient_penalty", "accuracy")}
         steps = len(order) // batch_size
+        if args.last_batch == "keep":
+            steps = -(-len(order) // batch_size)
         if args.max_steps:
             steps = min(steps, args.max_steps)
         for step in range(steps):
@@ -175,16 +196,17 @@ def main():
                 embedded = net.embed(x.detach())
                 net.N.mul_(GAMMA).add_((1 - GAMMA) * y.sum(0))
                 net.m.mul_(GAMMA).add_((1 - GAMMA) * torch.einsum("bdc,bc->dc", embedded, y))
-            totals["bce"] += bce.item()
-            totals["gradient_penalty"] += penalty.item()
-            totals["accuracy"] += (kernel.argmax(1) == labels).float().mean().item()
+            totals["bce"] += bce.detach()
+            totals["gradient_penalty"] += penalty.detach()
+            totals["accuracy"] += (kernel.argmax(1) == labels).float().mean()
         if args.max_steps:
             seconds = time.perf_counter() - started
             print(f"{steps} steps: {seconds / steps:.3f} s/step")
             return
         scheduler.step()
-        record = {"epoch": epoch, **{k: v / steps for k, v in totals.items()},
-                  "device": args.device, "tf32": args.tf32}
+        record = {"epoch": epoch, **{k: v.item() / steps for k, v in totals.items()},
+                  "device": args.device, "tf32": args.tf32, "seed": args.seed,
+                  "bias_init": args.bias_init, "last_batch": args.last_batch}
         if epoch % 5 == 0 or epoch == args.epochs:
             record.update(evaluate(net, x_test, y_test, x_ood))
         record["seconds"] = time.perf_counter() - started
