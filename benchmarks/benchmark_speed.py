@@ -256,13 +256,10 @@ def epoch_run(kind, steps, warmup_windows, memory_steps=40):
     dataset = keras_duq.make_dataset(
         x_train, y_train, batch_size=batch_size, shuffle=True, seed=0, repeat=True
     )
-    # `batch` leaves the batch dimension unknown; the in-memory dataset
-    # keeps the same element spec, so `fit` runs the same traced function.
-    memory = (
-        tf.data.Dataset.from_tensor_slices((x_train[:batch_size], y_train[:batch_size]))
-        .batch(batch_size)
-        .cache()
-        .repeat()
+    # The same pipeline over one batch: the same element spec (batch
+    # dimension unknown), so `fit` runs the same traced function.
+    memory = keras_duq.make_dataset(
+        x_train[:batch_size], y_train[:batch_size], batch_size=batch_size, repeat=True
     )
     full_epoch = -(-len(x_train) // batch_size)
     steps = min(steps or full_epoch, full_epoch)
@@ -275,9 +272,9 @@ def epoch_run(kind, steps, warmup_windows, memory_steps=40):
     fit_start = time.perf_counter()
     epoch = _timed_fit(model, dataset, steps, [batch_times])
     after = _timed_fit(model, memory, memory_steps) / memory_steps
-    # One of the two in-memory runs has repeatedly taken ~6 s longer than the
-    # other (a stall, not a slower step); the faster one is the steady step
-    # time, and makes the epoch's ratio the stricter one.
+    # The faster of the two is the steady step time and makes the epoch's
+    # ratio the stricter one. (Before `make_dataset` turned tf.data's
+    # autotuning off, one of the two often stalled for seconds at its end.)
     step = min(before, after)
     batch_seconds = batch_times.seconds
     median_batch = statistics.median(batch_seconds)

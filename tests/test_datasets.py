@@ -4,6 +4,7 @@ import gzip
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import keras_duq
 
@@ -157,6 +158,19 @@ def test_make_dataset_inputs_only_and_repeat():
     dataset = keras_duq.make_dataset(x, batch_size=2, repeat=True)
     assert dataset.element_spec.shape.as_list() == [None, 3]
     assert len(list(dataset.take(7))) == 7  # repeats past the 3 batches
+
+
+def test_make_dataset_turns_autotuning_off_and_users_can_turn_it_on():
+    # With autotuning on, dropping a half-read iterator of a repeated dataset
+    # (`fit` with `steps_per_epoch`) could wait up to a minute.
+    dataset = keras_duq.make_dataset(
+        np.zeros((6, 2), "float32"), batch_size=2, repeat=True
+    )
+    assert dataset.options().autotune.enabled is False
+    assert len(list(dataset.take(5))) == 5
+    options = tf.data.Options()
+    options.autotune.enabled = True
+    assert dataset.with_options(options).options().autotune.enabled is True
 
 
 def test_make_dataset_rejects_bad_input():
