@@ -149,10 +149,49 @@ def step_seconds(model, task, windows):
     )
 
 
+def _peak_rss_mb():
+    """Peak resident memory of this process image, in MB.
+
+    Linux keeps `ru_maxrss` across `execve`, so an epoch run started by the
+    full benchmark reported the parent's peak (the same 2051 MB for both
+    models in one run). `VmHWM` starts afresh with the new image.
+    """
+    try:
+        with open("/proc/self/status") as file:
+            for line in file:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _cpu_model():
+    # `platform.processor()` is empty on many Linux machines.
+    try:
+        with open("/proc/cpuinfo") as file:
+            for line in file:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _cpu_bfloat16_instructions():
+    try:
+        with open("/proc/cpuinfo") as file:
+            flags = set(next(line for line in file if line.startswith("flags")).split())
+    except (OSError, StopIteration):
+        return []
+    return sorted(flags & {"avx512_bf16", "amx_bf16"})
+
+
 def machine():
     return {
         "platform": platform.platform(),
-        "processor": platform.processor(),
+        "processor": _cpu_model(),
+        "bfloat16_instructions": _cpu_bfloat16_instructions(),
         "cpus": os.cpu_count(),
         "tensorflow": tf.__version__,
         "keras": keras.__version__,
@@ -301,8 +340,7 @@ def epoch_run(kind, steps, warmup_windows, memory_steps=40):
         "first_batch_in_epoch_s": batch_seconds[0],
         "fixed_shape_step_s": fixed_shape_step,
         "epoch_over_sum_of_fixed_shape_steps": epoch / (steps * fixed_shape_step),
-        # Linux reports kilobytes.
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mb": _peak_rss_mb(),
     }
 
 
