@@ -166,32 +166,28 @@ def _peak_rss_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _cpu_model():
-    # `platform.processor()` is empty on many Linux machines.
+def _cpu():
+    """The CPU's model name and bfloat16 instructions, from /proc/cpuinfo."""
+    fields = {}
     try:
         with open("/proc/cpuinfo") as file:
             for line in file:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return platform.processor()
-
-
-def _cpu_bfloat16_instructions():
-    try:
-        with open("/proc/cpuinfo") as file:
-            flags = set(next(line for line in file if line.startswith("flags")).split())
-    except (OSError, StopIteration):
-        return []
-    return sorted(flags & {"avx512_bf16", "amx_bf16"})
+    flags = set(fields.get("flags", "").split())
+    return {
+        # `platform.processor()` is empty on many Linux machines.
+        "processor": fields.get("model name") or platform.processor(),
+        "bfloat16_instructions": sorted(flags & {"avx512_bf16", "amx_bf16"}),
+    }
 
 
 def machine():
     return {
         "platform": platform.platform(),
-        "processor": _cpu_model(),
-        "bfloat16_instructions": _cpu_bfloat16_instructions(),
+        **_cpu(),
         "cpus": os.cpu_count(),
         "tensorflow": tf.__version__,
         "keras": keras.__version__,
