@@ -18,10 +18,10 @@ export STATE=${STATE_DIR:-/tmp/duq_pytorch_state}
 export SCRIPT=examples/results/fashion_mnist/pytorch_run/train_pytorch.py
 export DUQ_DATA=${DUQ_DATA:-.duq_data} PYTHONUNBUFFERED=1
 export DEADLINE=$(( $(date +%s) + ${LIMIT_S:-480} ))
+export PYTHON=${PYTHON:-python3}
 mkdir -p "$out" "$STATE"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$out/gpu.txt" 2>&1
-"${PYTHON:-python3}" -c "import torch; print('torch', torch.__version__, 'cudnn', torch.backends.cudnn.version())" >> "$out/gpu.txt" 2>&1
-export PYTHON=${PYTHON:-python3}
+"$PYTHON" -c "import torch; print('torch', torch.__version__, 'cudnn', torch.backends.cudnn.version())" >> "$out/gpu.txt" 2>&1
 
 run_one() {  # tf32 seed bias_init last_batch
   local name="tf32_$1_seed$2_bias_$3_last_$4"

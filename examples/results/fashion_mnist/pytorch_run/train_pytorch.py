@@ -1,9 +1,10 @@
-"""The paper's FashionMNIST DUQ run, in PyTorch on the CPU, for comparison.
+"""The paper's FashionMNIST DUQ run, in PyTorch on a CPU or GPU, for comparison.
 
 A diagnostic, not part of keras_duq: it asks whether the AUROC gap between
-keras_duq (0.926) and PyTorch on a GPU (0.953-0.956) comes from TensorFlow and
-Keras or from the GPU's numerics (cuDNN convolutions run in TF32 by default
-on NVIDIA GPUs; here every convolution is float32). It trains the model of the
+keras_duq and the paper comes from TensorFlow and Keras, from the GPU's
+numerics (cuDNN convolutions run in TF32 by default on NVIDIA GPUs;
+`--tf32 off` runs them in float32), or from chance. Results so far: this
+folder's README. It trains the model of the
 paper's Appendix A with the paper code's step: PyTorch's
 `binary_cross_entropy` on the kernel values, the two-sided penalty
 (lambda 0.05) by double backprop, SGD (lr 0.05, momentum 0.9, weight decay
