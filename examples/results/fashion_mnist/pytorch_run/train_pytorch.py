@@ -83,10 +83,54 @@ class DUQNet(nn.Module):
         features = F.relu(self.dense(x.flatten(1)))
         return torch.einsum("bf,dcf->bdc", features, self.W)
 
-    def forward(self, x):
+    def log_kernel(self, x):
         centroids = self.m / self.N[None]
         distances = ((self.embed(x) - centroids[None]) ** 2).mean(1)
-        return torch.exp(-distances / (2 * LENGTH_SCALE**2))
+        return -distances / (2 * LENGTH_SCALE**2)
+
+    def forward(self, x):
+        return torch.exp(self.log_kernel(x))
+
+
+def exact_binary_cross_entropy(log_kernel, y):
+    """Per-element BCE from `log K`, with the exact gradient (keras_duq's default).
+
+    PyTorch's `binary_cross_entropy` (the paper code's loss) divides its
+    gradient by `max(K (1 - K), 1e-12)`; at the random start every K is far
+    below 1e-12, so that loss hardly trains until the centroids have moved.
+    As `keras_duq._ops.binary_cross_entropy` with `epsilon=0`: `log(1 - K)` is
+    `log(-expm1(log K))`, with `log K` capped just below 0.
+    """
+    log_one_minus = torch.log(-torch.expm1(log_kernel.clamp_max(-1e-7)))
+    return -(y * log_kernel + (1 - y) * log_one_minus)
+
+
+def train_step(net, optimizer, x, labels, exact_bce=False):
+    """The paper code's step: BCE plus the two-sided penalty, then the centroids.
+
+    `exact_bce=True` swaps PyTorch's `binary_cross_entropy` for
+    `exact_binary_cross_entropy`. Returns the kernel values, BCE and penalty.
+    """
+    x = x.clone().requires_grad_(True)
+    y = F.one_hot(labels, NUM_CLASSES).to(x.dtype)
+    net.train()
+    optimizer.zero_grad()
+    log_kernel = net.log_kernel(x)
+    kernel = torch.exp(log_kernel)
+    if exact_bce:
+        bce = exact_binary_cross_entropy(log_kernel, y).mean()
+    else:
+        bce = F.binary_cross_entropy(kernel, y)
+    gradient = torch.autograd.grad(kernel.sum(), x, create_graph=True)[0]
+    penalty = ((gradient.flatten(1).norm(2, dim=1) - 1) ** 2).mean()
+    (bce + PENALTY * penalty).backward()
+    optimizer.step()
+    with torch.no_grad():
+        net.eval()
+        embedded = net.embed(x.detach())
+        net.N.mul_(GAMMA).add_((1 - GAMMA) * y.sum(0))
+        net.m.mul_(GAMMA).add_((1 - GAMMA) * torch.einsum("bdc,bc->dc", embedded, y))
+    return kernel.detach(), bce.detach(), penalty.detach()
 
 
 def auroc(in_scores, ood_scores):
@@ -181,24 +225,10 @@ def main():
             steps = min(steps, args.max_steps)
         for step in range(steps):
             index = order[step * batch_size: (step + 1) * batch_size]
-            x = x_train[index].clone().requires_grad_(True)
             labels = y_train[index]
-            y = F.one_hot(labels, NUM_CLASSES).float()
-            net.train()
-            optimizer.zero_grad()
-            kernel = net(x)
-            bce = F.binary_cross_entropy(kernel, y)
-            gradient = torch.autograd.grad(kernel.sum(), x, create_graph=True)[0]
-            penalty = ((gradient.flatten(1).norm(2, dim=1) - 1) ** 2).mean()
-            (bce + PENALTY * penalty).backward()
-            optimizer.step()
-            with torch.no_grad():
-                net.eval()
-                embedded = net.embed(x.detach())
-                net.N.mul_(GAMMA).add_((1 - GAMMA) * y.sum(0))
-                net.m.mul_(GAMMA).add_((1 - GAMMA) * torch.einsum("bdc,bc->dc", embedded, y))
-            totals["bce"] += bce.detach()
-            totals["gradient_penalty"] += penalty.detach()
+            kernel, bce, penalty = train_step(net, optimizer, x_train[index], labels)
+            totals["bce"] += bce
+            totals["gradient_penalty"] += penalty
             totals["accuracy"] += (kernel.argmax(1) == labels).float().mean()
         if args.max_steps:
             seconds = time.perf_counter() - started

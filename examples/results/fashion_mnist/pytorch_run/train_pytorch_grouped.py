@@ -34,7 +34,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from train_pytorch import DUQNet, GAMMA, LENGTH_SCALE, NUM_CLASSES, PENALTY, auroc, load
+import train_pytorch
+from train_pytorch import (
+    DUQNet, GAMMA, LENGTH_SCALE, NUM_CLASSES, PENALTY, auroc, exact_binary_cross_entropy, load,
+)
 
 CHANNELS = (64, 128, 128)
 
@@ -95,19 +98,6 @@ def singles(models, seed, keras_like=0):
         torch.manual_seed(seed * 1000 + g)
         nets.append(DUQNet("zeros" if g >= models - keras_like else "pytorch"))
     return nets
-
-
-def exact_binary_cross_entropy(log_kernel, y):
-    """Per-element BCE from `log K`, with the exact gradient (keras_duq's default).
-
-    PyTorch's `binary_cross_entropy` (the paper code's loss) divides its
-    gradient by `max(K (1 - K), 1e-12)`; at the random start every K is far
-    below 1e-12, so that loss hardly trains until the centroids have moved.
-    As `keras_duq._ops.binary_cross_entropy` with `epsilon=0`: `log(1 - K)` is
-    `log(-expm1(log K))`, with `log K` capped just below 0.
-    """
-    log_one_minus = torch.log(-torch.expm1(log_kernel.clamp_max(-1e-7)))
-    return -(y * log_kernel + (1 - y) * log_one_minus)
 
 
 def train_step(net, optimizer, x, labels, exact_bce):
@@ -174,25 +164,7 @@ def self_check(device):
     for x, labels in zip(x_all, labels_all):
         train_step(grouped, opt_grouped, x, labels, exact_bce)
         for g, (net, opt) in enumerate(zip(nets, opts)):
-            # The single step, as in train_pytorch.main.
-            xs = x[:, g, None].clone().requires_grad_(True)
-            y = F.one_hot(labels[:, g], NUM_CLASSES).to(xs.dtype)
-            net.train()
-            opt.zero_grad()
-            kernel = net(xs)
-            if exact_bce[g]:
-                bce = exact_binary_cross_entropy(torch.log(kernel), y).mean()
-            else:
-                bce = F.binary_cross_entropy(kernel, y)
-            gradient = torch.autograd.grad(kernel.sum(), xs, create_graph=True)[0]
-            penalty = ((gradient.flatten(1).norm(2, dim=1) - 1) ** 2).mean()
-            (bce + PENALTY * penalty).backward()
-            opt.step()
-            with torch.no_grad():
-                net.eval()
-                embedded = net.embed(xs.detach())
-                net.N.mul_(GAMMA).add_((1 - GAMMA) * y.sum(0))
-                net.m.mul_(GAMMA).add_((1 - GAMMA) * torch.einsum("bdc,bc->dc", embedded, y))
+            train_pytorch.train_step(net, opt, x[:, g, None], labels[:, g], bool(exact_bce[g]))
     reference = GroupedDUQNet(models).to(device, torch.float64)
     reference.load_singles(nets)
     worst = 0.0
