@@ -60,6 +60,19 @@ def load(name, split):
     return torch.tensor((images - MEAN) / STD)[:, None], torch.tensor(labels)
 
 
+def load_all(device, train_subset=None):
+    """FashionMNIST train and test images and labels, and MNIST test images."""
+    x_train, y_train = (t[:train_subset].to(device) for t in load("fashion", "train"))
+    x_test, y_test = (t.to(device) for t in load("fashion", "t10k"))
+    return x_train, y_train, x_test, y_test, load("mnist", "t10k")[0].to(device)
+
+
+def state_paths(state_dir):
+    """Creates `state_dir`; returns its checkpoint and epoch-log paths."""
+    os.makedirs(state_dir, exist_ok=True)
+    return os.path.join(state_dir, "state.pt"), os.path.join(state_dir, "epochs.jsonl")
+
+
 class DUQNet(nn.Module):
     def __init__(self, bias_init="pytorch"):
         super().__init__()
@@ -188,13 +201,8 @@ def main():
     torch.set_num_threads(args.threads)
     torch.backends.cudnn.allow_tf32 = args.tf32 == "on"
     device = torch.device(args.device)
-    os.makedirs(args.state_dir, exist_ok=True)
-    state_path = os.path.join(args.state_dir, "state.pt")
-    log_path = os.path.join(args.state_dir, "epochs.jsonl")
-
-    x_train, y_train = (t[:args.train_subset].to(device) for t in load("fashion", "train"))
-    x_test, y_test = (t.to(device) for t in load("fashion", "t10k"))
-    x_ood = load("mnist", "t10k")[0].to(device)
+    state_path, log_path = state_paths(args.state_dir)
+    x_train, y_train, x_test, y_test, x_ood = load_all(device, args.train_subset)
 
     torch.manual_seed(args.seed)
     net = DUQNet(args.bias_init).to(device)

@@ -36,7 +36,8 @@ from torch import nn
 
 import train_pytorch
 from train_pytorch import (
-    DUQNet, GAMMA, LENGTH_SCALE, NUM_CLASSES, PENALTY, auroc, exact_binary_cross_entropy, load,
+    DUQNet, GAMMA, LENGTH_SCALE, NUM_CLASSES, PENALTY, auroc, exact_binary_cross_entropy,
+    load_all, state_paths,
 )
 
 CHANNELS = (64, 128, 128)
@@ -229,13 +230,8 @@ def main():
     torch.backends.cudnn.allow_tf32 = args.tf32 == "on"
     torch.backends.cuda.matmul.allow_tf32 = False  # as train_pytorch.py (PyTorch's default)
     torch.backends.cudnn.benchmark = True
-    os.makedirs(args.state_dir, exist_ok=True)
-    state_path = os.path.join(args.state_dir, "state.pt")
-    log_path = os.path.join(args.state_dir, "epochs.jsonl")
-
-    x_train, y_train = (t[:args.train_subset].to(device) for t in load("fashion", "train"))
-    x_test, y_test = (t.to(device) for t in load("fashion", "t10k"))
-    x_ood = load("mnist", "t10k")[0].to(device)
+    state_path, log_path = state_paths(args.state_dir)
+    x_train, y_train, x_test, y_test, x_ood = load_all(device, args.train_subset)
 
     models = args.models
     net = GroupedDUQNet(models)
