@@ -129,6 +129,12 @@ def train_step(net, optimizer, x, labels, exact_bce):
     return bce.detach(), penalty.detach(), accuracy
 
 
+def synchronize(device):
+    """Waits for the GPU's queued work, so that a timer reads its end."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def make_optimizer(parameters):
     optimizer = torch.optim.SGD(parameters, lr=0.05, momentum=0.9, weight_decay=1e-4)
     return optimizer, torch.optim.lr_scheduler.MultiStepLR(optimizer, [10, 20], gamma=0.2)
@@ -266,11 +272,11 @@ def main():
             index = orders[:, step * batch_size: (step + 1) * batch_size].T  # (batch, models)
             x = x_train[index][:, :, 0]  # (batch, models, 28, 28)
             if step == 5 and args.max_steps:  # time after cuDNN's autotuning
-                torch.cuda.synchronize() if device.type == "cuda" else None
+                synchronize(device)
                 started = time.perf_counter()
             totals += torch.stack(train_step(net, optimizer, x, y_train[index], exact_bce))
         if args.max_steps:
-            torch.cuda.synchronize() if device.type == "cuda" else None
+            synchronize(device)
             seconds = time.perf_counter() - started
             print(f"{models} models: {seconds / (steps - 5):.4f} s/step (steps 6-{steps})")
             return
