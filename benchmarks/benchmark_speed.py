@@ -13,7 +13,7 @@ Measures, in one run on one machine with the same data shapes:
 - inference time at batch 1 and batch 1000, softmax against DUQ;
 - the CNN steps under `mixed_bfloat16`;
 - one full epoch of real FashionMNIST through `model.fit` and the
-  `tf.data` pipeline (`keras_duq.make_dataset`) against the sum of its steps
+  `tf.data` pipeline (`keras_duq.datasets.make_dataset`) against the sum of its steps
   (steps x the step time of the same `fit` on one batch held in memory,
   the faster of a run before and one after the epoch), with the batch
   times inside the epoch and the time outside them, and the peak resident
@@ -282,18 +282,18 @@ def epoch_run(kind, steps, warmup_windows, memory_steps=40):
     benchmark) is reported beside it.
     """
     keras.utils.set_random_seed(0)
-    (x_train, y_train), _ = keras_duq.load_fashion_mnist()
-    x_train = keras_duq.normalize(x_train)
+    (x_train, y_train), _ = keras_duq.datasets.load_fashion_mnist()
+    x_train = keras_duq.datasets.normalize(x_train)
     y_train = y_train.astype("int32")
     batch_size = TASKS["fashion_mnist_cnn"]["batch_size"]
     model = build(kind, "fashion_mnist_cnn")
     fixed_shape_step = step_seconds(model, "fashion_mnist_cnn", warmup_windows)
-    dataset = keras_duq.make_dataset(
+    dataset = keras_duq.datasets.make_dataset(
         x_train, y_train, batch_size=batch_size, shuffle=True, seed=0, repeat=True
     )
     # The same pipeline over one batch: the same element spec (batch
     # dimension unknown), so `fit` runs the same traced function.
-    memory = keras_duq.make_dataset(
+    memory = keras_duq.datasets.make_dataset(
         x_train[:batch_size], y_train[:batch_size], batch_size=batch_size, repeat=True
     )
     full_epoch = -(-len(x_train) // batch_size)

@@ -125,7 +125,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--ood-eval-every", type=int, default=5,
         help="Log OoD metrics vs. MNIST every N epochs during training "
-        "(keras_duq.OODEvaluation); 0 turns it off. Logged only, never used "
+        "(keras_duq.callbacks.OODEvaluation); 0 turns it off. Logged only, never used "
         "for model selection.",
     )
     parser.add_argument(
@@ -313,16 +313,16 @@ def _jit_compile(args):
 
 def load_data(args):
     """Normalised train, validation (or `None`), test and OoD arrays."""
-    (x_train, y_train), (x_test, y_test) = keras_duq.load_fashion_mnist(
+    (x_train, y_train), (x_test, y_test) = keras_duq.datasets.load_fashion_mnist(
         args.fashion_mnist_path
     )
-    x_ood, _ = keras_duq.load_mnist_test(args.mnist_path)
+    x_ood, _ = keras_duq.datasets.load_mnist_test(args.mnist_path)
     rng = np.random.default_rng(args.seed)
     order = rng.permutation(len(x_train))
     validation = None
     if args.validation_split:
         held_out, order = order[: args.validation_split], order[args.validation_split :]
-        validation = (keras_duq.normalize(x_train[held_out]), y_train[held_out])
+        validation = (keras_duq.datasets.normalize(x_train[held_out]), y_train[held_out])
     if args.train_subset:
         order = order[: args.train_subset]
     if args.test_subset:
@@ -330,10 +330,10 @@ def load_data(args):
         x_ood = x_ood[: args.test_subset]
     # Both sets use FashionMNIST's training statistics (paper, Section 4.2).
     return (
-        (keras_duq.normalize(x_train[order]), y_train[order].astype("int32")),
+        (keras_duq.datasets.normalize(x_train[order]), y_train[order].astype("int32")),
         validation,
-        (keras_duq.normalize(x_test), y_test.astype("int32")),
-        keras_duq.normalize(x_ood),
+        (keras_duq.datasets.normalize(x_test), y_test.astype("int32")),
+        keras_duq.datasets.normalize(x_ood),
     )
 
 
@@ -394,7 +394,7 @@ def train(model, train_data, args, steps_per_epoch, seed, callbacks=(),
             keras.callbacks.BackupAndRestore(state_dir, delete_checkpoint=False),
             EpochLog(epoch_log),
         ]
-    dataset = keras_duq.make_dataset(
+    dataset = keras_duq.datasets.make_dataset(
         # A resumed run must not replay the first epochs' data order.
         x, y, batch_size=args.batch_size, shuffle=True, seed=seed + 1000 * done,
         repeat=True,
@@ -425,9 +425,9 @@ def training_callbacks(args, test, x_ood, method, log_dir):
     callbacks = []
     if args.ood_eval_every:
         callbacks.append(
-            keras_duq.OODEvaluation(
-                in_distribution=keras_duq.make_dataset(*test, batch_size=512),
-                out_of_distribution=keras_duq.make_dataset(x_ood, batch_size=512),
+            keras_duq.callbacks.OODEvaluation(
+                in_distribution=keras_duq.datasets.make_dataset(*test, batch_size=512),
+                out_of_distribution=keras_duq.datasets.make_dataset(x_ood, batch_size=512),
                 every_n_epochs=args.ood_eval_every,
                 method=method,
             )
@@ -448,18 +448,18 @@ def evaluate(models, method, test, x_ood, validation=None) -> dict:
     x_test, y_test = test
     test_scores = predict(models, x_test)
     ood_scores = predict(models, x_ood)
-    in_certainty = keras_duq.certainty_scores(test_scores, method)
-    ood_certainty = keras_duq.certainty_scores(ood_scores, method)
+    in_certainty = keras_duq.evaluation.certainty_scores(test_scores, method)
+    ood_certainty = keras_duq.evaluation.certainty_scores(ood_scores, method)
     correct = test_scores.argmax(axis=1) == y_test
     results = {"accuracy": float(correct.mean())}
-    results.update(keras_duq.ood_metrics(in_certainty, ood_certainty))
+    results.update(keras_duq.evaluation.ood_metrics(in_certainty, ood_certainty))
     if method != "max":
         # Also the maximum softmax probability, the other usual certainty.
-        results["auroc_max_probability"] = keras_duq.ood_metrics(
-            keras_duq.certainty_scores(test_scores),
-            keras_duq.certainty_scores(ood_scores),
+        results["auroc_max_probability"] = keras_duq.evaluation.ood_metrics(
+            keras_duq.evaluation.certainty_scores(test_scores),
+            keras_duq.evaluation.certainty_scores(ood_scores),
         )["auroc"]
-    results["misclassification_auroc"] = keras_duq.misclassification_auroc(
+    results["misclassification_auroc"] = keras_duq.evaluation.misclassification_auroc(
         in_certainty, correct
     )
     if validation is not None:
@@ -468,24 +468,24 @@ def evaluate(models, method, test, x_ood, validation=None) -> dict:
         val_correct = val_scores.argmax(axis=1) == y_val
         results["validation_accuracy"] = float(val_correct.mean())
         results["validation_misclassification_auroc"] = (
-            keras_duq.misclassification_auroc(
-                keras_duq.certainty_scores(val_scores, method), val_correct
+            keras_duq.evaluation.misclassification_auroc(
+                keras_duq.evaluation.certainty_scores(val_scores, method), val_correct
             )
         )
-    curve = keras_duq.rejection_curve(in_certainty, correct, ood_certainty)
+    curve = keras_duq.evaluation.rejection_curve(in_certainty, correct, ood_certainty)
     return results, in_certainty, ood_certainty, curve
 
 
 def save_figures(output_dir, label, in_certainty, ood_certainty, curve, method):
     title = f"{label}: FashionMNIST vs. MNIST"
     figures = {
-        "roc_curve.png": keras_duq.plot_roc_curve(
+        "roc_curve.png": keras_duq.plots.plot_roc_curve(
             in_certainty, ood_certainty, label=label, title=title
         ),
-        "rejection_curve.png": keras_duq.plot_rejection_curve(
+        "rejection_curve.png": keras_duq.plots.plot_rejection_curve(
             curve, label=label, title=title
         ),
-        "certainty_histograms.png": keras_duq.plot_certainty_histograms(
+        "certainty_histograms.png": keras_duq.plots.plot_certainty_histograms(
             in_certainty, ood_certainty,
             in_label="FashionMNIST (test)", ood_label="MNIST (test)",
             xlabel="max kernel value" if method == "max" else "negative entropy",

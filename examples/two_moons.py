@@ -114,7 +114,7 @@ def run(seed, gradient_penalty=1.0, epochs=30, output_dir=None, verbose=0):
     if output_dir:
         os.makedirs(output_dir, exist_ok=True)
         title = f"DUQ, gradient penalty {gradient_penalty:g}, seed {seed}"
-        figure = keras_duq.plot_certainty_map(model, x_train, y_train, X_RANGE, Y_RANGE, title=title)
+        figure = keras_duq.plots.plot_certainty_map(model, x_train, y_train, X_RANGE, Y_RANGE, title=title)
         path = os.path.join(
             output_dir, f"two_moons_gp{gradient_penalty:g}_seed{seed}.png"
         )

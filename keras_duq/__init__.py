@@ -5,33 +5,22 @@ per-class RBF kernels around class centroids. One deterministic forward pass
 gives a prediction (argmax of the kernel values) and a certainty (their max):
 far from every centroid means out of distribution.
 
-Public API:
+The core:
 
 - `wrap(backbone, num_classes, ...)`: turn any Keras backbone into a
   `DUQModel`.
 - `DUQOutput`: the output layer (per-class projections, RBF kernels and the
   centroid moving-average state).
-- `DUQModel`: the model class with the DUQ training step (loss, gradient
-  penalty by double backprop, coupled weight decay, centroid update).
-- `plot_certainty_map(model, x_train, y_train)`: certainty over a 2-D grid.
+- `DUQModel`: the model with the DUQ training step (loss, gradient penalty by
+  double backprop, coupled weight decay, centroid update).
 
-Evaluation (numpy / scikit-learn; works for softmax models and ensembles too):
+Around it, each in its own namespace (imported on first use):
 
-- `certainty_scores(scores, method)`: per-example certainty (`"max"` or
-  `"negative_entropy"`).
-- `ood_metrics(in_certainty, ood_certainty)`: AUROC, AUPR and FPR at 95% TPR,
-  with OoD as the positive class.
-- `misclassification_auroc(certainty, correct)`: certainty of correct vs.
-  wrong predictions, for choosing the gradient penalty without OoD data.
-- `rejection_curve(in_certainty, in_correct, ood_certainty)`: accuracy as
-  the least certain data is rejected, with its oracle.
-- `OODEvaluation`: a callback logging the OoD metrics during `fit`.
-- `plot_roc_curve`, `plot_rejection_curve`, `plot_certainty_histograms`:
-  the paper's figures, each returned as a `matplotlib.figure.Figure`.
-
-Data (the paper's FashionMNIST vs. MNIST benchmark): `load_fashion_mnist`,
-`load_mnist_test`, `read_idx`, `normalize` (with `FASHION_MNIST_MEAN` and
-`FASHION_MNIST_STD`), `make_dataset`.
+- `keras_duq.evaluation`: certainty scores, OoD metrics (AUROC, AUPR,
+  FPR at 95% TPR), misclassification AUROC, rejection curves.
+- `keras_duq.callbacks`: `OODEvaluation`, OoD metrics logged during `fit`.
+- `keras_duq.plots`: the paper's figures (needs matplotlib).
+- `keras_duq.datasets`: the paper's FashionMNIST vs MNIST data, offline.
 
 Example:
 
@@ -52,49 +41,57 @@ certainty = model.predict(x_test).max(axis=1)
 ```
 """
 
-from keras_duq._datasets import FASHION_MNIST_MEAN
-from keras_duq._datasets import FASHION_MNIST_STD
-from keras_duq._datasets import load_fashion_mnist
-from keras_duq._datasets import load_mnist_test
-from keras_duq._datasets import make_dataset
-from keras_duq._datasets import normalize
-from keras_duq._datasets import read_idx
+import importlib
+import warnings
+
 from keras_duq._duq_model import DUQModel
 from keras_duq._duq_output import DUQOutput
-from keras_duq._evaluation import OODEvaluation
-from keras_duq._evaluation import certainty_scores
-from keras_duq._evaluation import misclassification_auroc
-from keras_duq._evaluation import ood_metrics
-from keras_duq._evaluation import rejection_curve
-from keras_duq._plots import plot_certainty_histograms
-from keras_duq._plots import plot_certainty_map
-from keras_duq._plots import plot_rejection_curve
-from keras_duq._plots import plot_roc_curve
 from keras_duq._wrap import wrap
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
-__all__ = [
-    "DUQModel",
-    "DUQOutput",
-    "plot_certainty_map",
-    "wrap",
-    "__version__",
-    # Evaluation.
-    "OODEvaluation",
-    "certainty_scores",
-    "misclassification_auroc",
-    "ood_metrics",
-    "rejection_curve",
-    "plot_certainty_histograms",
-    "plot_rejection_curve",
-    "plot_roc_curve",
-    # Data.
-    "FASHION_MNIST_MEAN",
-    "FASHION_MNIST_STD",
-    "load_fashion_mnist",
-    "load_mnist_test",
-    "make_dataset",
-    "normalize",
-    "read_idx",
-]
+__all__ = ["DUQModel", "DUQOutput", "wrap", "__version__"]
+
+_SUBMODULES = ("callbacks", "datasets", "evaluation", "plots")
+
+# keras_duq 0.1 exported these at the top level; they still work, with a
+# warning that names their new home.
+_MOVED = {
+    "OODEvaluation": "callbacks",
+    "certainty_scores": "evaluation",
+    "misclassification_auroc": "evaluation",
+    "ood_metrics": "evaluation",
+    "rejection_curve": "evaluation",
+    "plot_certainty_map": "plots",
+    "plot_certainty_histograms": "plots",
+    "plot_rejection_curve": "plots",
+    "plot_roc_curve": "plots",
+    "FASHION_MNIST_MEAN": "datasets",
+    "FASHION_MNIST_STD": "datasets",
+    "load_fashion_mnist": "datasets",
+    "load_mnist_test": "datasets",
+    "make_dataset": "datasets",
+    "normalize": "datasets",
+    "read_idx": "datasets",
+}
+
+
+def __getattr__(name):
+    # Submodules load on first use, so `import keras_duq` pulls in neither
+    # scikit-learn nor matplotlib.
+    if name in _SUBMODULES:
+        return importlib.import_module(f"keras_duq.{name}")
+    if name in _MOVED:
+        module = _MOVED[name]
+        warnings.warn(
+            f"`keras_duq.{name}` moved to `keras_duq.{module}.{name}` in "
+            "keras_duq 0.2; the old name will be removed.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(f"keras_duq.{module}"), name)
+    raise AttributeError(f"module 'keras_duq' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(__all__ + list(_SUBMODULES))

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import keras
-import tensorflow as tf
 from keras import ops
 
-from keras_duq import _moments
+from keras_duq import _compat
+from keras_duq import _export
 from keras_duq import _ops
+from keras_duq import _tensorflow_trainer
 from keras_duq._duq_output import DUQOutput
+from keras_duq._tensorflow_batch import is_float
 from keras_duq._validation import check_non_negative
 
 DEFAULT_GRADIENT_PENALTY = 0.1
@@ -16,7 +18,7 @@ DEFAULT_WEIGHT_DECAY = 1e-4
 
 
 @keras.saving.register_keras_serializable(package="keras_duq")
-class DUQModel(keras.Model):
+class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
     """A classifier trained with Deterministic Uncertainty Quantification.
 
     Built like a functional model whose output is a `DUQOutput` layer (or
@@ -124,12 +126,12 @@ class DUQModel(keras.Model):
         check_non_negative("weight_decay", weight_decay)
         check_non_negative("bce_epsilon", bce_epsilon)
         _ops.validate_penalty(penalty)
-        duq_output = _find_duq_output(outputs)
+        duq_output = _find_duq_output(inputs, outputs)
         feature_extractor = keras.Model(
             inputs, duq_output.input, name="feature_extractor"
         )
         if gradient_penalty > 0 and not any(
-            _is_float(t.dtype) for t in keras.tree.flatten(inputs)
+            is_float(t.dtype) for t in keras.tree.flatten(inputs)
         ):
             raise ValueError(
                 "The gradient penalty is taken with respect to the model's "
@@ -146,6 +148,7 @@ class DUQModel(keras.Model):
         self.weight_decay = float(weight_decay)
         self.bce_epsilon = float(bce_epsilon)
         self.num_classes = duq_output.num_classes
+        self._objective_tracker = keras.metrics.Mean(name="loss")
         self._bce_tracker = keras.metrics.Mean(name="bce")
         self._penalty_tracker = (
             keras.metrics.Mean(name="gradient_penalty")
@@ -159,53 +162,40 @@ class DUQModel(keras.Model):
         features = self.feature_extractor(inputs, training=training)
         return self.duq_output(features)
 
+    @property
+    def metrics(self):
+        # Keras's documented pattern for a custom `train_step`: our own
+        # trackers first, in place of Keras's loss tracker (a DUQ model is
+        # compiled without a loss), then the metrics passed to `compile`.
+        own = [
+            tracker
+            for tracker in (
+                self._objective_tracker,
+                self._bce_tracker,
+                self._penalty_tracker,
+                self._accuracy_tracker,
+            )
+            if tracker is not None
+        ]
+        others = [
+            metric
+            for metric in super().metrics
+            if metric.name != "loss" and all(metric is not m for m in own)
+        ]
+        return own + others
+
     # ---------------------------------------------------------------- steps
 
     def train_step(self, data):
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        x, labels_one_hot, sample_weight = self._validate_batch(x, y, sample_weight)
-        trainable_weights = self.trainable_weights
-
-        def gradients_and_losses(x, labels_one_hot, sample_weight):
-            with tf.GradientTape() as tape:
-                log_kernel, penalty, objective, bce = self._objective(
-                    x, labels_one_hot, sample_weight, training=True
-                )
-                scaled = _scale_loss_for_distribution(objective)
-                scaled = self.optimizer.scale_loss(scaled)
-            gradients = tape.gradient(scaled, trainable_weights)
-            return gradients, log_kernel, penalty, objective, bce
-
-        gradients, log_kernel, penalty, objective, bce = self._maybe_xla(
-            gradients_and_losses
-        )(x, labels_one_hot, sample_weight)
-        applied = self._step_applied(gradients)
-        self.optimizer.apply(gradients, trainable_weights)
-        # A skipped step (overflow) leaves the centroids and the metrics alone
-        # too: its loss may be inf (the penalty's scaled input gradient).
-        _run_if(applied, lambda: self._update_centroids(x, labels_one_hot))
-        return self._update_metrics(
-            x, y, sample_weight, log_kernel, penalty, objective, bce, labels_one_hot,
-            applied,
-        )
+        return _tensorflow_trainer.train_step(self, data)
 
     def test_step(self, data):
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        x, labels_one_hot, sample_weight = self._validate_batch(x, y, sample_weight)
-
-        log_kernel, penalty, objective, bce = self._maybe_xla(
-            lambda x, labels_one_hot, sample_weight: self._objective(
-                x, labels_one_hot, sample_weight, training=False
-            )
-        )(x, labels_one_hot, sample_weight)
-        return self._update_metrics(
-            x, y, sample_weight, log_kernel, penalty, objective, bce, labels_one_hot
-        )
+        return _tensorflow_trainer.test_step(self, data)
 
     # XLA drops `Assert` ops without a word, so a train or test function
     # compiled whole by XLA would skip the batch checks and let a bad batch
-    # change the weights. With `jit_compile` on, DUQModel compiles the
-    # computation with XLA (`_maybe_xla`) and keeps the checks and the state
+    # change the weights. With `jit_compile` on, the training step compiles
+    # its computation with XLA itself and keeps the checks and the state
     # updates in the TensorFlow graph around it.
 
     def make_train_function(self, force=False):
@@ -216,249 +206,30 @@ class DUQModel(keras.Model):
 
     def _make_function_without_outer_xla(self, make_function, force):
         jit_compile = self.jit_compile
-        self._jit_compile = False
+        self.jit_compile = False
         try:
             return make_function(force)
         finally:
-            self._jit_compile = jit_compile
+            self.jit_compile = jit_compile
 
-    def _maybe_xla(self, function):
-        if self.jit_compile and not self.run_eagerly:
-            # No tensor-dependent Python control flow inside: no AutoGraph.
-            return tf.function(function, jit_compile=True, autograph=False)
-        return function
-
-    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        # Keras (3.x, TensorFlow backend) builds a distributed model from one
-        # batch that it reduces with `strategy.reduce("MEAN", batch)`; the
-        # whole `(x, y)` structure at once, which MultiWorkerMirroredStrategy
-        # rejects ("Attempt to convert a value (PerReplica...)"), for any
-        # Keras model. Only the shapes matter there, so under that strategy
-        # the first replica's part of the batch is used instead.
-        strategy = getattr(self, "_distribute_strategy", None)
-        if iterator is None or not _is_multi_worker(strategy):
-            return super()._maybe_symbolic_build(
-                iterator=iterator, data_batch=data_batch
-            )
-        for _, _, batches in iterator:
-            data_batch = keras.tree.map_structure(
-                lambda value: strategy.experimental_local_results(value)[0],
-                next(batches),
-            )
-            break
-        with strategy.scope():
-            self._symbolic_build(data_batch=data_batch)
-
-    # -------------------------------------------------------------- helpers
-
-    def _step_applied(self, gradients):
-        """Whether the optimizer applies this step: `None` when it always does.
-
-        A `LossScaleOptimizer` skips a step whose gradients are not finite.
-        """
-        if not isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
-            return None
-        return tf.reduce_all(
-            [tf.reduce_all(tf.math.is_finite(g)) for g in gradients if g is not None]
-        )
-
-    def _update_centroids(self, x, labels_one_hot):
-        features = self._maybe_xla(lambda x: self.feature_extractor(x, training=False))(x)
-        self.duq_output.update_centroids(features, labels_one_hot)
-
-    def _log_kernel_and_penalty(self, x, training):
-        """Forward pass; with the penalty on, also the per-example penalty."""
-        if self.gradient_penalty == 0:
-            features = self.feature_extractor(x, training=training)
-            return self.duq_output.log_kernel_values(features), None
-        float_inputs = [t for t in tf.nest.flatten(x) if _is_float(t.dtype)]
-        scale = self._input_gradient_scale()
-        with (
-            tf.GradientTape(watch_accessed_variables=False) as inner_tape,
-            _moments.second_order_moments(),
-        ):
-            inner_tape.watch(float_inputs)
-            features = self.feature_extractor(x, training=training)
-            log_kernel = self.duq_output.log_kernel_values(features)
-            kernel_sum = ops.sum(ops.exp(log_kernel))
-            if scale is not None:
-                kernel_sum = kernel_sum * scale
-        input_gradients = inner_tape.gradient(kernel_sum, float_inputs)
-        if scale is not None:
-            input_gradients = [
-                None if g is None else ops.cast(g, "float32") / scale
-                for g in input_gradients
-            ]
-        norms = _ops.gradient_norms(input_gradients)
-        return log_kernel, _ops.gradient_penalty(norms, self.penalty)
-
-    def _input_gradient_scale(self):
-        """The loss scale, for the penalty's input gradient too (or `None`).
-
-        Under mixed_float16 the input gradient flows back through float16
-        layers, where small values underflow to zero just as weight
-        gradients do. Scaling `sum_c K_c` by the optimizer's dynamic loss
-        scale (a power of two: exact) keeps them; an overflow makes the
-        penalty, and so the gradients, non-finite, and the optimizer then
-        skips the step and lowers the scale.
-        """
-        optimizer = getattr(self, "optimizer", None)
-        if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-            return None
-        return ops.cast(optimizer.scale_loss(1.0), "float32")
-
-    def _objective(self, x, labels_one_hot, sample_weight, training):
-        """Kernel values (log), penalty, full objective and its BCE part."""
-        log_kernel, penalty = self._log_kernel_and_penalty(x, training=training)
-        loss, bce = self._loss(log_kernel, penalty, labels_one_hot, sample_weight)
-        objective = loss + _ops.coupled_weight_decay_loss(
-            self.trainable_weights, self.weight_decay
-        )
-        return log_kernel, penalty, objective, bce
-
-    def _loss(self, log_kernel, penalty, labels_one_hot, sample_weight):
-        """Mean over the batch of the weighted per-example loss, and its BCE part."""
-        bce = _ops.binary_cross_entropy(
-            log_kernel, labels_one_hot, self.bce_epsilon
-        )
-        per_example = bce
-        if penalty is not None:
-            per_example = bce + self.gradient_penalty * penalty
-        if sample_weight is not None:
-            per_example = per_example * sample_weight
-            bce = bce * sample_weight
-        # Keras's "sum_over_batch_size": divide by the number of examples.
-        return ops.mean(per_example), ops.mean(bce)
-
-    def _update_metrics(
-        self, x, y, sample_weight, log_kernel, penalty, objective, bce, labels_one_hot,
-        applied=None,
+    def _update_duq_metrics(
+        self, x, y, sample_weight, log_kernel, penalty, objective, bce, labels_one_hot
     ):
-        def update():
-            batch_size = ops.shape(log_kernel)[0]
-            self._loss_tracker.update_state(objective, sample_weight=batch_size)
-            self._bce_tracker.update_state(bce, sample_weight=batch_size)
-            if penalty is not None:
-                self._penalty_tracker.update_state(
-                    ops.mean(penalty), sample_weight=batch_size
-                )
-            correct = ops.cast(
-                ops.equal(
-                    ops.argmax(log_kernel, axis=-1), ops.argmax(labels_one_hot, axis=-1)
-                ),
-                "float32",
+        batch_size = ops.shape(log_kernel)[0]
+        self._objective_tracker.update_state(objective, sample_weight=batch_size)
+        self._bce_tracker.update_state(bce, sample_weight=batch_size)
+        if penalty is not None:
+            self._penalty_tracker.update_state(
+                ops.mean(penalty), sample_weight=batch_size
             )
-            self._accuracy_tracker.update_state(correct, sample_weight=sample_weight)
-            self.compute_metrics(x, y, ops.exp(log_kernel), sample_weight)
-
-        _run_if(applied, update)
-        logs = self.get_metrics_result()
-        if _is_multi_worker(tf.distribute.get_strategy()):
-            # Keras reduces each log over workers with `reduce("MEAN",
-            # axis=0)`, which needs a batch axis; metric results are scalars
-            # (and already global: mean of equal values).
-            logs = {name: ops.reshape(value, (1,)) for name, value in logs.items()}
-        return logs
-
-    def _validate_batch(self, x, y, sample_weight):
-        """Checks a batch; returns it with every later op depending on the checks.
-
-        The checks of values (label range, NaN inputs) run in the graph. All
-        tensors the step uses are routed through them, so a bad batch raises
-        before the optimizer or the centroid update touches any state.
-        """
-        self._check_compiled_without_loss()
-        x = self._standardize_inputs(x)
-        if sample_weight is not None:
-            sample_weight = ops.reshape(ops.cast(sample_weight, "float32"), (-1,))
-        labels_one_hot, checks = self._prepare_labels(y)
-        checks += self._input_checks(x)
-        if not checks:
-            return x, labels_one_hot, sample_weight
-        with tf.control_dependencies(checks):
-            return tf.nest.map_structure(
-                lambda t: None if t is None else tf.identity(t),
-                (x, labels_one_hot, sample_weight),
-            )
-
-    def _check_compiled_without_loss(self):
-        if self.loss is not None:
-            raise ValueError(
-                "DUQModel computes its own loss (binary cross-entropy on the "
-                "kernel values plus the gradient penalty). Remove `loss` from "
-                f"`compile()`. Received: `loss={self.loss!r}`"
-            )
-
-    def _standardize_inputs(self, x):
-        """Casts inputs declared floating point to their declared dtype."""
-
-        def cast(spec, value):
-            value = tf.convert_to_tensor(value)
-            if _is_float(spec.dtype) and value.dtype != spec.dtype:
-                return tf.cast(value, spec.dtype)
-            return value
-
-        specs = self.feature_extractor.input
-        try:
-            return keras.tree.map_structure(cast, specs, x)
-        except (ValueError, TypeError):
-            # A structure Keras accepts but that differs from the declared
-            # one (e.g. a list for a dict); the functional call maps it.
-            return tf.nest.map_structure(tf.convert_to_tensor, x)
-
-    def _input_checks(self, x):
-        return [
-            tf.debugging.assert_all_finite(
-                t,
-                "DUQModel received an input batch containing NaN or Inf "
-                "values. Clean or impute the data before training "
-                "(e.g. `np.nan_to_num`); the gradient penalty and the "
-                "centroids cannot recover from a non-finite input.",
-            )
-            for t in tf.nest.flatten(x)
-            if _is_float(t.dtype)
-        ]
-
-    def _prepare_labels(self, y):
-        """One-hot float32 labels and the in-graph checks of their values."""
-        if y is None:
-            raise ValueError(
-                "DUQModel needs labels to train and evaluate: pass `y` (or a "
-                "dataset of `(x, y)` pairs)."
-            )
-        y = tf.convert_to_tensor(y)
-        num_classes = self.num_classes
-        rank = y.shape.rank
-        if rank == 2 and y.shape[-1] == num_classes:
-            return tf.cast(y, "float32"), []
-        if rank == 2 and y.shape[-1] == 1:
-            y = tf.squeeze(y, axis=-1)
-        elif rank != 1:
-            raise ValueError(
-                "Expected labels of shape (batch,), (batch, 1) or one-hot "
-                f"(batch, {num_classes}) for this model with "
-                f"num_classes={num_classes}. Received: labels of shape "
-                f"{tuple(y.shape)}. If the labels are one-hot for a different "
-                "number of classes, build the model with that `num_classes`."
-            )
-        if y.dtype.is_floating:
-            y = tf.cast(y, "int64")
-        checks = [
-            tf.debugging.assert_non_negative(
-                y,
-                f"Labels must be class indices in [0, {num_classes}), "
-                "but a negative label was found.",
+        correct = ops.cast(
+            ops.equal(
+                ops.argmax(log_kernel, axis=-1), ops.argmax(labels_one_hot, axis=-1)
             ),
-            tf.debugging.assert_less(
-                y,
-                tf.cast(num_classes, y.dtype),
-                f"Labels must be class indices in [0, {num_classes}) for this "
-                f"model with num_classes={num_classes}, but a label >= "
-                f"{num_classes} was found. Check the labels, or build the "
-                "model with the right `num_classes`.",
-            ),
-        ]
-        return tf.one_hot(y, num_classes, dtype="float32"), checks
+            "float32",
+        )
+        self._accuracy_tracker.update_state(correct, sample_weight=sample_weight)
+        self.compute_metrics(x, y, ops.exp(log_kernel), sample_weight)
 
     # ---------------------------------------------------------------- export
 
@@ -466,15 +237,17 @@ class DUQModel(keras.Model):
         self,
         filepath,
         format="tf_saved_model",
-        verbose=None,
+        verbose=False,
         input_signature=None,
         **kwargs,
     ):
         """Exports a SavedModel for TF Serving (Keras's `Model.export`).
 
         With `format="tf_saved_model"` (the default) the `serving_default`
-        signature (also callable as `serve`) takes the model's input(s), with
-        a free batch dimension, and returns a dict:
+        signature (also callable as `serve`) takes the model's input with a
+        free batch dimension, under a stable name: `inputs` for a
+        single-input model, the keys of a dict of inputs, or `inputs_0`,
+        `inputs_1`, ... for a list. It returns a dict:
 
         - `kernel_values`: `(batch, num_classes)` float32 kernel values;
         - `predictions`: `(batch,)` int64 predicted class (argmax);
@@ -488,16 +261,23 @@ class DUQModel(keras.Model):
         ```python
         model.export("duq_savedmodel")
         reloaded = tf.saved_model.load("duq_savedmodel")
-        outputs = reloaded.signatures["serving_default"](inputs=x)
+        outputs = reloaded.signatures["serving_default"](inputs=tf.constant(x))
+        certainty = outputs["certainty"]
         ```
+
+        The body of a TF Serving REST request (`POST .../models/NAME:predict`)
+        is `{"instances": x.tolist()}`.
 
         Args:
             filepath: directory to write the SavedModel to.
             format: `"tf_saved_model"` (default) or another format that
                 `keras.Model.export` supports.
-            verbose: whether to print a summary of the export.
+            verbose: whether to print Keras's summary of the export
+                (hundreds of lines for a large backbone). Defaults to
+                `False`.
             input_signature: optional structure of `tf.TensorSpec` for the
-                inputs; defaults to the model's inputs with a free batch size.
+                inputs; defaults to the model's inputs with a free batch
+                size and the names above.
             **kwargs: passed to `keras.Model.export` for other formats.
         """
         if format != "tf_saved_model":
@@ -508,31 +288,7 @@ class DUQModel(keras.Model):
                 input_signature=input_signature,
                 **kwargs,
             )
-        if input_signature is None:
-            input_signature = [
-                keras.tree.map_structure(
-                    lambda t: tf.TensorSpec(
-                        (None,) + tuple(t.shape[1:]), t.dtype, name=_input_name(t)
-                    ),
-                    self.feature_extractor.input,
-                )
-            ]
-
-        def serve(inputs):
-            features = self.feature_extractor(inputs, training=False)
-            log_kernel = self.duq_output.log_kernel_values(features)
-            kernel_values = tf.exp(log_kernel)
-            return {
-                "kernel_values": kernel_values,
-                # From log K: far inputs underflow every K to 0, not log K.
-                "predictions": tf.argmax(log_kernel, axis=-1),
-                "certainty": tf.reduce_max(kernel_values, axis=-1),
-            }
-
-        archive = keras.export.ExportArchive()
-        archive.track(self)
-        archive.add_endpoint("serve", serve, input_signature)
-        archive.write_out(filepath, verbose=True if verbose is None else verbose)
+        _export.export_saved_model(self, filepath, verbose, input_signature)
 
     # -------------------------------------------------------- serialization
 
@@ -563,35 +319,22 @@ class DUQModel(keras.Model):
         return cls(feature_extractor.input, outputs, **config)
 
 
-def _scale_loss_for_distribution(loss):
-    """Divides by the number of replicas: their gradients are summed."""
-    num_replicas = tf.distribute.get_strategy().num_replicas_in_sync
-    if num_replicas > 1:
-        loss = loss / num_replicas
-    return loss
-
-
-def _run_if(condition, function):
-    """Runs `function` (for its effects) if `condition`; always if it is `None`."""
-    if condition is None:
-        function()
-        return
-
-    def run():
-        function()
-        return tf.constant(True)
-
-    tf.cond(condition, run, lambda: tf.constant(False))
-
-
-def _is_multi_worker(strategy):
-    return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
-
-
-def _find_duq_output(outputs):
-    history = getattr(outputs, "_keras_history", None)
-    layer = history[0] if history else None
-    if not isinstance(layer, DUQOutput):
+def _find_duq_output(inputs, outputs):
+    """The `DUQOutput` layer that produces `outputs` (else a clear error)."""
+    layer = None
+    if not isinstance(outputs, (list, tuple, dict)):
+        try:
+            graph = keras.Model(inputs, outputs)
+        except Exception:  # noqa: BLE001 - any failure means "not a DUQ head"
+            graph = None
+        if graph is not None:
+            candidates = [
+                candidate
+                for candidate in graph.layers
+                if isinstance(candidate, DUQOutput) and candidate.output is outputs
+            ]
+            layer = candidates[0] if candidates else None
+    if layer is None:
         raise ValueError(
             "DUQModel's `outputs` must be the output of a `DUQOutput` layer, "
             "e.g. `outputs = keras_duq.DUQOutput(num_classes)(features)`; to "
@@ -599,13 +342,3 @@ def _find_duq_output(outputs):
             f"`keras_duq.wrap(backbone, num_classes)`. Received: `outputs={outputs!r}`"
         )
     return layer
-
-
-def _input_name(tensor):
-    """The input layer's name: the key TF Serving requests use."""
-    history = getattr(tensor, "_keras_history", None)
-    return history[0].name if history else "inputs"
-
-
-def _is_float(dtype):
-    return keras.backend.is_float_dtype(keras.backend.standardize_dtype(dtype))

@@ -16,21 +16,9 @@ it is not.
 values (and first derivatives) are bitwise the same as `tf.nn.moments`'s.
 """
 
-import contextlib
-import threading
-import warnings
-
 import tensorflow as tf
-from keras.src.backend.tensorflow import nn as _keras_tf_nn
 
-# Keras's TensorFlow backend computes unsynchronized batch moments in this
-# module-level function; `moments` looks it up at call time.
-_KERAS_MOMENTS = "_compute_moments"
-
-_lock = threading.Lock()
-_depth = 0
-_original = None
-_warned = False
+from keras_duq import _compat
 
 
 def moments(x, axes, keepdims=False):
@@ -49,42 +37,13 @@ def moments(x, axes, keepdims=False):
 
 def is_supported() -> bool:
     """Whether the installed Keras computes batch moments where we can swap them."""
-    return hasattr(_keras_tf_nn, _KERAS_MOMENTS)
+    return _compat.batch_moments_supported()
 
 
-@contextlib.contextmanager
 def second_order_moments():
     """Within the block, Keras layers compute batch moments with `moments`.
 
-    Nested and concurrent blocks (one per replica under a distribution
-    strategy) share one swap, undone when the last block exits. Any other
+    Nested and concurrent blocks share one swap (see `_compat`). Any other
     code that runs meanwhile gets the same values as without the swap.
     """
-    global _depth, _original, _warned
-    if not is_supported():
-        if not _warned:
-            _warned = True
-            warnings.warn(
-                "keras_duq could not find Keras's batch-moments function "
-                f"(`keras.src.backend.tensorflow.nn.{_KERAS_MOMENTS}`), so the "
-                "gradient penalty's gradient through BatchNormalization and "
-                "GroupNormalization misses a second-order term. Install a "
-                "Keras 3 release up to the one keras_duq was tested with, or "
-                "report this with your Keras version.",
-                stacklevel=3,
-            )
-        yield
-        return
-    with _lock:
-        if _depth == 0:
-            _original = getattr(_keras_tf_nn, _KERAS_MOMENTS)
-            setattr(_keras_tf_nn, _KERAS_MOMENTS, moments)
-        _depth += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _depth -= 1
-            if _depth == 0:
-                setattr(_keras_tf_nn, _KERAS_MOMENTS, _original)
-                _original = None
+    return _compat.swap_batch_moments(moments)

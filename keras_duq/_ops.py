@@ -103,6 +103,40 @@ def binary_cross_entropy(log_kernel, labels_one_hot, epsilon=0.0):
     return -ops.mean(per_class, axis=-1)
 
 
+def duq_loss(
+    log_kernel,
+    labels_one_hot,
+    penalty=None,
+    penalty_weight=0.0,
+    sample_weight=None,
+    bce_epsilon=0.0,
+):
+    """The batch loss: mean of `bce + penalty_weight * penalty`, and its BCE part.
+
+    Keras's `"sum_over_batch_size"` reduction: weighted per-example losses
+    are summed and divided by the number of examples.
+
+    Args:
+        log_kernel: `(batch, num_classes)` from `log_kernel_values`.
+        labels_one_hot: `(batch, num_classes)` float32.
+        penalty: `(batch,)` from `gradient_penalty`, or `None` (no penalty).
+        penalty_weight: float, the penalty's weight `lambda`.
+        sample_weight: `(batch,)` float32 or `None`.
+        bce_epsilon: see `binary_cross_entropy`.
+
+    Returns:
+        `(loss, bce)`: scalar float32 tensors.
+    """
+    bce = binary_cross_entropy(log_kernel, labels_one_hot, bce_epsilon)
+    per_example = bce
+    if penalty is not None:
+        per_example = bce + penalty_weight * penalty
+    if sample_weight is not None:
+        per_example = per_example * sample_weight
+        bce = bce * sample_weight
+    return ops.mean(per_example), ops.mean(bce)
+
+
 def gradient_norms(gradients):
     """Per-example L2 norm of input gradients, flattened over all inputs.
 

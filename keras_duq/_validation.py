@@ -18,3 +18,15 @@ def check_non_negative(name: str, value) -> None:
         raise ValueError(
             f"Expected `{name}` to be a float >= 0. Received: `{name}={value!r}`"
         )
+
+
+# Shared by every guard against non-finite training state.
+NON_FINITE_TRAINING_MESSAGE = (
+    "a non-finite value (NaN or Inf) appeared in training, so this update "
+    "was not applied (the weights and centroids keep their last finite "
+    "values) and training stopped. Likely causes, most common first: inputs "
+    "that are not normalised (e.g. raw 0-255 pixels: scale them to about "
+    "unit variance); a learning rate that is too high (lower it, or clip "
+    "gradients with the optimizer's `clipnorm`); a `length_scale` that is "
+    "too small for the scale of the features (try a larger one)."
+)

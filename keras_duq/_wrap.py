@@ -56,7 +56,8 @@ def wrap(
             `keras.applications` (with `include_top=False, pooling="avg"`).
         num_classes: int >= 2, number of classes.
         centroid_dims: int or `None`, size of the centroids. `None` (default)
-            uses the number of backbone features.
+            uses the number of backbone features, at most 256 (see
+            `DUQOutput`).
         length_scale: float > 0, RBF length scale. Defaults to `0.1`.
         momentum: float in `[0, 1)`, centroid moving-average momentum.
             Defaults to `0.999`.

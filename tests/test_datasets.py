@@ -1,4 +1,4 @@
-"""Tests of keras_duq._datasets on the real (Fashion-)MNIST files in shared/."""
+"""Tests of keras_duq.datasets on the real (Fashion-)MNIST files in shared/."""
 
 import gzip
 
@@ -12,7 +12,7 @@ MNIST_TEST_CLASS_COUNTS = [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009
 
 
 def test_read_idx_mnist_labels(mnist_dir):
-    labels = keras_duq.read_idx(mnist_dir / "t10k-labels-idx1-ubyte.gz")
+    labels = keras_duq.datasets.read_idx(mnist_dir / "t10k-labels-idx1-ubyte.gz")
     assert labels.shape == (10000,)
     assert labels.dtype == np.uint8
     assert labels[:6].tolist() == [7, 2, 1, 0, 4, 1]
@@ -20,7 +20,7 @@ def test_read_idx_mnist_labels(mnist_dir):
 
 
 def test_read_idx_mnist_images(mnist_dir):
-    images = keras_duq.read_idx(mnist_dir / "t10k-images-idx3-ubyte.gz")
+    images = keras_duq.datasets.read_idx(mnist_dir / "t10k-images-idx3-ubyte.gz")
     assert images.shape == (10000, 28, 28)
     assert images.dtype == np.uint8
     assert images.min() == 0 and images.max() == 255
@@ -31,7 +31,7 @@ def test_read_idx_mnist_images(mnist_dir):
 def test_read_idx_matches_npz_copy(mnist_dir):
     with np.load(mnist_dir / "mnist-test.npz") as npz:
         np.testing.assert_array_equal(
-            keras_duq.read_idx(mnist_dir / "t10k-images-idx3-ubyte.gz"), npz["x_test"]
+            keras_duq.datasets.read_idx(mnist_dir / "t10k-images-idx3-ubyte.gz"), npz["x_test"]
         )
 
 
@@ -40,8 +40,8 @@ def test_read_idx_uncompressed(mnist_dir, tmp_path):
     with gzip.open(mnist_dir / "t10k-labels-idx1-ubyte.gz") as file:
         raw.write_bytes(file.read())
     np.testing.assert_array_equal(
-        keras_duq.read_idx(raw),
-        keras_duq.read_idx(mnist_dir / "t10k-labels-idx1-ubyte.gz"),
+        keras_duq.datasets.read_idx(raw),
+        keras_duq.datasets.read_idx(mnist_dir / "t10k-labels-idx1-ubyte.gz"),
     )
 
 
@@ -51,36 +51,36 @@ def test_read_idx_big_endian_types(tmp_path):
     header = bytes([0, 0, 0x0C, 2]) + np.array([2, 3], ">u4").tobytes()
     path = tmp_path / "ints.idx"
     path.write_bytes(header + values.tobytes())
-    result = keras_duq.read_idx(path)
+    result = keras_duq.datasets.read_idx(path)
     np.testing.assert_array_equal(result, values)
     assert result.dtype == np.dtype("int32")
 
 
 def test_read_idx_rejects_bad_files(mnist_dir, tmp_path):
     with pytest.raises(ValueError, match="not found"):
-        keras_duq.read_idx(tmp_path / "missing.gz")
+        keras_duq.datasets.read_idx(tmp_path / "missing.gz")
     not_idx = tmp_path / "notes.txt"
     not_idx.write_text("hello")
     with pytest.raises(ValueError, match="Not an IDX file"):
-        keras_duq.read_idx(not_idx)
+        keras_duq.datasets.read_idx(not_idx)
     truncated = tmp_path / "truncated"
     with gzip.open(mnist_dir / "t10k-labels-idx1-ubyte.gz") as file:
         truncated.write_bytes(file.read()[:-10])
     with pytest.raises(ValueError, match="Truncated"):
-        keras_duq.read_idx(truncated)
+        keras_duq.datasets.read_idx(truncated)
 
 
 def test_load_mnist_test_from_folder(mnist_dir):
-    x_test, y_test = keras_duq.load_mnist_test(mnist_dir)
+    x_test, y_test = keras_duq.datasets.load_mnist_test(mnist_dir)
     assert x_test.shape == (10000, 28, 28) and x_test.dtype == np.uint8
     assert y_test[:6].tolist() == [7, 2, 1, 0, 4, 1]
     with pytest.raises(ValueError, match="Missing IDX files"):
-        keras_duq.load_mnist_test(mnist_dir.parent)
+        keras_duq.datasets.load_mnist_test(mnist_dir.parent)
 
 
 @pytest.fixture(scope="module")
 def fashion_mnist(fashion_mnist_dir):
-    return keras_duq.load_fashion_mnist(fashion_mnist_dir)
+    return keras_duq.datasets.load_fashion_mnist(fashion_mnist_dir)
 
 
 def test_load_fashion_mnist_from_folder(fashion_mnist):
@@ -94,7 +94,7 @@ def test_load_fashion_mnist_from_folder(fashion_mnist):
 
 
 def test_load_fashion_mnist_through_keras(keras_home, fashion_mnist):
-    (x_train, y_train), (x_test, y_test) = keras_duq.load_fashion_mnist()
+    (x_train, y_train), (x_test, y_test) = keras_duq.datasets.load_fashion_mnist()
     (x_train_idx, y_train_idx), (x_test_idx, y_test_idx) = fashion_mnist
     np.testing.assert_array_equal(y_train, y_train_idx)
     np.testing.assert_array_equal(x_test, x_test_idx)
@@ -102,25 +102,25 @@ def test_load_fashion_mnist_through_keras(keras_home, fashion_mnist):
 
 def test_normalize_uses_fashion_mnist_statistics(fashion_mnist, mnist_dir):
     (x_train, _), _ = fashion_mnist
-    normalized = keras_duq.normalize(x_train[:20000])
+    normalized = keras_duq.datasets.normalize(x_train[:20000])
     assert normalized.shape == (20000, 28, 28, 1)
     assert normalized.dtype == np.float32
     assert normalized.mean() == pytest.approx(0.0, abs=0.01)
     assert normalized.std() == pytest.approx(1.0, abs=0.01)
     # MNIST gets FashionMNIST's statistics, not its own: a blank pixel maps
     # to the same value in both sets.
-    x_mnist, _ = keras_duq.load_mnist_test(mnist_dir)
-    blank = -keras_duq.FASHION_MNIST_MEAN / keras_duq.FASHION_MNIST_STD
-    assert keras_duq.normalize(x_mnist[:10])[0, 0, 0, 0] == pytest.approx(blank)
+    x_mnist, _ = keras_duq.datasets.load_mnist_test(mnist_dir)
+    blank = -keras_duq.datasets.FASHION_MNIST_MEAN / keras_duq.datasets.FASHION_MNIST_STD
+    assert keras_duq.datasets.normalize(x_mnist[:10])[0, 0, 0, 0] == pytest.approx(blank)
     assert normalized[0, 0, 0, 0] == pytest.approx(blank)
 
 
 def test_normalize_accepts_channel_axis_and_unit_floats():
     images = np.full((2, 28, 28, 1), 255, dtype=np.uint8)
-    expected = (1 - keras_duq.FASHION_MNIST_MEAN) / keras_duq.FASHION_MNIST_STD
-    np.testing.assert_allclose(keras_duq.normalize(images), expected, rtol=1e-6)
+    expected = (1 - keras_duq.datasets.FASHION_MNIST_MEAN) / keras_duq.datasets.FASHION_MNIST_STD
+    np.testing.assert_allclose(keras_duq.datasets.normalize(images), expected, rtol=1e-6)
     np.testing.assert_allclose(
-        keras_duq.normalize(images[..., 0] / 255.0), expected, rtol=1e-6
+        keras_duq.datasets.normalize(images[..., 0] / 255.0), expected, rtol=1e-6
     )
 
 
@@ -134,17 +134,17 @@ def test_normalize_accepts_channel_axis_and_unit_floats():
 )
 def test_normalize_rejects_bad_input(images, kwargs, match):
     with pytest.raises(ValueError, match=match):
-        keras_duq.normalize(images, **kwargs)
+        keras_duq.datasets.normalize(images, **kwargs)
 
 
 def test_make_dataset_batches_and_shuffles():
     x = np.arange(10, dtype="float32")[:, None]
     y = np.arange(10)
-    batches = list(keras_duq.make_dataset(x, y, batch_size=4).as_numpy_iterator())
+    batches = list(keras_duq.datasets.make_dataset(x, y, batch_size=4).as_numpy_iterator())
     assert [len(b[1]) for b in batches] == [4, 4, 2]
     assert np.concatenate([b[1] for b in batches]).tolist() == list(range(10))
 
-    shuffled = keras_duq.make_dataset(x, y, batch_size=10, shuffle=True, seed=1)
+    shuffled = keras_duq.datasets.make_dataset(x, y, batch_size=10, shuffle=True, seed=1)
     epochs = [next(shuffled.as_numpy_iterator()) for _ in range(2)]
     for x_batch, y_batch in epochs:
         assert sorted(y_batch.tolist()) == list(range(10))
@@ -155,7 +155,7 @@ def test_make_dataset_batches_and_shuffles():
 
 def test_make_dataset_inputs_only_and_repeat():
     x = np.zeros((5, 3), "float32")
-    dataset = keras_duq.make_dataset(x, batch_size=2, repeat=True)
+    dataset = keras_duq.datasets.make_dataset(x, batch_size=2, repeat=True)
     assert dataset.element_spec.shape.as_list() == [None, 3]
     assert len(list(dataset.take(7))) == 7  # repeats past the 3 batches
 
@@ -163,7 +163,7 @@ def test_make_dataset_inputs_only_and_repeat():
 def test_make_dataset_turns_autotuning_off_and_users_can_turn_it_on():
     # With autotuning on, dropping a half-read iterator of a repeated dataset
     # (`fit` with `steps_per_epoch`) could wait up to a minute.
-    dataset = keras_duq.make_dataset(
+    dataset = keras_duq.datasets.make_dataset(
         np.zeros((6, 2), "float32"), batch_size=2, repeat=True
     )
     assert dataset.options().autotune.enabled is False
@@ -175,6 +175,6 @@ def test_make_dataset_turns_autotuning_off_and_users_can_turn_it_on():
 
 def test_make_dataset_rejects_bad_input():
     with pytest.raises(ValueError, match="batch_size"):
-        keras_duq.make_dataset(np.zeros((4, 2)), batch_size=0)
+        keras_duq.datasets.make_dataset(np.zeros((4, 2)), batch_size=0)
     with pytest.raises(ValueError, match="same length"):
-        keras_duq.make_dataset(np.zeros((4, 2)), np.zeros(3))
+        keras_duq.datasets.make_dataset(np.zeros((4, 2)), np.zeros(3))

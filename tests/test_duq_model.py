@@ -10,6 +10,8 @@ import tensorflow as tf
 
 import keras_duq
 from keras_duq import _ops
+from keras_duq import _tensorflow_batch
+from keras_duq import _tensorflow_trainer
 
 
 def _data(n=64, features=4, classes=3, seed=0):
@@ -161,7 +163,7 @@ def test_bce_epsilon_stops_the_pull_of_far_centroids():
 
 
 def _penalty_term(model, x):
-    _, penalty = model._log_kernel_and_penalty(x, training=False)
+    _, penalty = _tensorflow_trainer._log_kernel_and_penalty(model, x, training=False)
     return tf.reduce_mean(penalty)
 
 
@@ -203,7 +205,7 @@ def test_no_nan_when_kernels_underflow_at_initialisation():
     x, y = _data()
     assert np.all(model.predict(x, verbose=0) == 0.0)  # fully saturated
     gradient_norm = _ops.gradient_norms(
-        [model._log_kernel_and_penalty(tf.constant(x), training=True)[1]]
+        [_tensorflow_trainer._log_kernel_and_penalty(model, tf.constant(x), training=True)[1]]
     )
     assert np.isfinite(gradient_norm.numpy()).all()
     logs = model.fit(x, y, epochs=2, batch_size=16, verbose=0).history
@@ -214,7 +216,7 @@ def test_no_nan_when_kernels_underflow_at_initialisation():
 def test_zero_penalty_skips_penalty():
     model = _compiled(gradient_penalty=0.0)
     x, y = _data()
-    _, penalty = model._log_kernel_and_penalty(tf.constant(x), training=True)
+    _, penalty = _tensorflow_trainer._log_kernel_and_penalty(model, tf.constant(x), training=True)
     assert penalty is None
     logs = model.fit(x, y, epochs=1, verbose=0).history
     assert "gradient_penalty" not in logs and "bce" in logs
@@ -337,7 +339,7 @@ def test_dict_inputs_and_uint8_images():
     history = model.fit(data, y, epochs=2, batch_size=8, verbose=0).history
     assert np.isfinite(history["gradient_penalty"]).all()
     # The penalty norm covers both inputs together.
-    prepared = model._standardize_inputs({k: tf.constant(v[:4]) for k, v in data.items()})
+    prepared = _tensorflow_batch.standardize_inputs(model.feature_extractor.input, {k: tf.constant(v[:4]) for k, v in data.items()})
     assert prepared["image"].dtype == tf.float32
 
 
@@ -504,7 +506,7 @@ def _tiny_input_gradient_model():
     return model
 
 
-def test_penalty_gradient_survives_float16_underflow(policy):
+def test_penalty_gradient_survives_float16_underflow(policy, monkeypatch):
     x, _ = _data(n=16)
     x = tf.constant(x)
 
@@ -520,11 +522,11 @@ def test_penalty_gradient_survives_float16_underflow(policy):
     policy("mixed_float16")
     model = _tiny_input_gradient_model()
     model.optimizer.build(model.trainable_variables)
-    assert float(model._input_gradient_scale()) == 2.0**15
+    assert float(_tensorflow_trainer._input_gradient_scale(model)) == 2.0**15
     scaled = penalty_gradient(model)
     # Without the scale the float16 input gradient is all zeros, and so is
     # the penalty's gradient (measured: scaled 0.3% off, unscaled 100%).
-    model._input_gradient_scale = lambda: None
+    monkeypatch.setattr(_tensorflow_trainer, "_input_gradient_scale", lambda model: None)
     unscaled = penalty_gradient(model)
 
     def error(gradient):
@@ -833,3 +835,82 @@ def test_outputs_must_come_from_duq_output():
     outputs = keras.layers.Dense(3)(inputs)
     with pytest.raises(ValueError, match="DUQOutput"):
         keras_duq.DUQModel(inputs, outputs)
+
+
+@pytest.mark.parametrize("gradient_penalty", [0.0, 1.0], ids=["no_penalty", "penalty"])
+def test_unnormalised_inputs_stop_training_with_finite_state(gradient_penalty):
+    # Raw-pixel-scale inputs make the exact log-space loss overflow within a
+    # few steps; training must stop with advice, never leave NaN behind.
+    keras.utils.set_random_seed(0)
+    backbone = keras.Sequential([keras.Input((4,)), keras.layers.Dense(16, activation="relu")])
+    model = keras_duq.wrap(
+        backbone, num_classes=2, length_scale=0.1, gradient_penalty=gradient_penalty
+    )
+    model.compile(optimizer=keras.optimizers.SGD(0.01))
+    x, y = _data(n=256, classes=2)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="not normalised"):
+        model.fit(x * 1000.0, y, epochs=5, batch_size=32, verbose=0)
+    for variable in model.weights:
+        assert np.all(np.isfinite(variable.numpy())), variable.path
+
+
+def test_non_finite_gradient_step_is_not_applied():
+    model = _compiled()
+    x, y = _data()
+    model.fit(x, y, epochs=1, verbose=0)
+    state = _state(model)
+    # Finite inputs whose loss overflows to Inf in the first step.
+    with pytest.raises(tf.errors.InvalidArgumentError, match="non-finite"):
+        model.fit(x * 1e30, y, epochs=1, verbose=0)
+    _assert_state_equal(model, state)
+
+
+def test_every_label_format_in_any_order_on_one_model():
+    model = _compiled(classes=3)
+    x, y = _data(classes=3)
+    formats = [
+        y,
+        y[:, None],
+        np.eye(3, dtype="float32")[y],
+        y.astype("float32"),
+        y[:, None].astype("int32"),
+        np.eye(3, dtype="float32")[y],
+        y,
+    ]
+    for labels in formats:
+        history = model.fit(x, labels, batch_size=32, epochs=1, verbose=0)
+        assert np.isfinite(history.history["loss"][-1])
+        logs = model.evaluate(x, labels, verbose=0, return_dict=True)
+        assert 0.0 <= logs["accuracy"] <= 1.0
+    # The same labels in every format give the same evaluation.
+    reference = model.evaluate(x, y, verbose=0, return_dict=True)
+    for labels in formats:
+        logs = model.evaluate(x, labels, verbose=0, return_dict=True)
+        np.testing.assert_allclose(logs["loss"], reference["loss"], rtol=1e-6)
+
+
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
+def test_fractional_labels_are_rejected_and_leave_state_unchanged(jit_compile):
+    model = _compiled(jit_compile=jit_compile)
+    x, y = _data()
+    model.fit(x, y.astype("float32"), epochs=1, verbose=0)
+    state = _state(model)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="fractional"):
+        model.fit(x, y + 0.5, epochs=1, verbose=0)
+    _assert_state_equal(model, state)
+
+
+def test_export_input_name_is_stable_and_export_is_quiet(tmp_path, capfd):
+    for _ in range(2):  # Keras numbers its input names per model built
+        model = _compiled()
+    x, _ = _data()
+    path = str(tmp_path / "savedmodel")
+    capfd.readouterr()
+    model.export(path)
+    printed = capfd.readouterr().out
+    assert len(printed.splitlines()) <= 2, printed
+    reloaded = tf.saved_model.load(path)
+    outputs = reloaded.signatures["serving_default"](inputs=tf.constant(x[:3]))
+    np.testing.assert_array_equal(
+        outputs["kernel_values"].numpy(), model.predict(x[:3], verbose=0)
+    )

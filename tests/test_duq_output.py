@@ -52,6 +52,23 @@ def test_centroid_dims_default_to_feature_size():
     assert tuple(layer.centroids.shape) == (7, 2)
 
 
+def test_default_head_stays_proportionate_on_wide_backbones():
+    # ResNet50's 2048 features and 10 classes: 42M weights at one centroid
+    # dimension per feature; the default caps the head at 6M.
+    layer = keras_duq.DUQOutput(num_classes=10)
+    layer.build((None, 2048))
+    assert tuple(layer.centroids.shape) == (256, 10)
+    assert layer.count_params() <= 6_000_000
+    # The paper's FashionMNIST CNN (256 features) keeps 256.
+    layer = keras_duq.DUQOutput(num_classes=10)
+    layer.build((None, 256))
+    assert tuple(layer.centroids.shape) == (256, 10)
+    # An explicit value is never capped.
+    layer = keras_duq.DUQOutput(num_classes=10, centroid_dims=512)
+    layer.build((None, 512))
+    assert tuple(layer.centroids.shape) == (512, 10)
+
+
 def test_calling_never_changes_centroids():
     layer = _layer()
     before = [v.numpy().copy() for v in layer.non_trainable_weights]

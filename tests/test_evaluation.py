@@ -1,4 +1,4 @@
-"""Tests of keras_duq._evaluation: metrics by hand and against scikit-learn."""
+"""Tests of keras_duq.evaluation: metrics by hand and against scikit-learn."""
 
 import csv
 import math
@@ -17,14 +17,14 @@ import keras_duq
 
 def test_certainty_max_by_hand():
     scores = np.array([[0.1, 0.7, 0.2], [0.05, 0.01, 0.0]])
-    np.testing.assert_allclose(keras_duq.certainty_scores(scores), [0.7, 0.05])
+    np.testing.assert_allclose(keras_duq.evaluation.certainty_scores(scores), [0.7, 0.05])
 
 
 def test_certainty_negative_entropy_by_hand():
     probabilities = np.array([[0.5, 0.5], [1.0, 0.0], [0.2, 0.8]])
     expected = [-math.log(2), 0.0, 0.2 * math.log(0.2) + 0.8 * math.log(0.8)]
     np.testing.assert_allclose(
-        keras_duq.certainty_scores(probabilities, method="negative_entropy"),
+        keras_duq.evaluation.certainty_scores(probabilities, method="negative_entropy"),
         expected,
     )
 
@@ -32,7 +32,7 @@ def test_certainty_negative_entropy_by_hand():
 def test_certainty_orders_confident_before_uniform():
     probabilities = np.array([[0.98, 0.01, 0.01], [1 / 3, 1 / 3, 1 / 3]])
     for method in ("max", "negative_entropy"):
-        certainty = keras_duq.certainty_scores(probabilities, method=method)
+        certainty = keras_duq.evaluation.certainty_scores(probabilities, method=method)
         assert certainty[0] > certainty[1], method
 
 
@@ -48,7 +48,7 @@ def test_certainty_orders_confident_before_uniform():
 )
 def test_certainty_rejects_bad_input(scores, kwargs, match):
     with pytest.raises(ValueError, match=match):
-        keras_duq.certainty_scores(scores, **kwargs)
+        keras_duq.evaluation.certainty_scores(scores, **kwargs)
 
 
 # ---------------------------------------------------------------- ood_metrics
@@ -58,7 +58,7 @@ OOD_CERTAINTY = np.array([0.6, 0.3, 0.2])
 
 
 def test_ood_metrics_by_hand():
-    metrics = keras_duq.ood_metrics(IN_CERTAINTY, OOD_CERTAINTY)
+    metrics = keras_duq.evaluation.ood_metrics(IN_CERTAINTY, OOD_CERTAINTY)
     # Pairs (in, OoD) with the OoD example less certain: 3 + 4 + 4 of 12.
     assert metrics["auroc"] == pytest.approx(11 / 12)
     # Least certain first: OoD, OoD, in, OoD: precision 1, 1, 3/4 at the
@@ -73,7 +73,7 @@ def test_ood_metrics_match_sklearn():
     rng = np.random.default_rng(0)
     in_certainty = rng.normal(1.0, 1.0, 500)
     ood_certainty = rng.normal(0.0, 1.0, 300)
-    metrics = keras_duq.ood_metrics(in_certainty, ood_certainty)
+    metrics = keras_duq.evaluation.ood_metrics(in_certainty, ood_certainty)
     is_ood = np.r_[np.zeros(500), np.ones(300)]
     uncertainty = -np.r_[in_certainty, ood_certainty]
     assert metrics["auroc"] == pytest.approx(
@@ -96,9 +96,9 @@ def test_good_detector_scores_high_not_low():
     rng = np.random.default_rng(1)
     in_certainty = rng.uniform(0.7, 1.0, 200)  # like DUQ on its training data
     ood_certainty = rng.uniform(0.0, 0.3, 200)  # far from every centroid
-    metrics = keras_duq.ood_metrics(in_certainty, ood_certainty)
+    metrics = keras_duq.evaluation.ood_metrics(in_certainty, ood_certainty)
     assert metrics == {"auroc": 1.0, "aupr": 1.0, "fpr_at_95_tpr": 0.0}
-    flipped = keras_duq.ood_metrics(ood_certainty, in_certainty)
+    flipped = keras_duq.evaluation.ood_metrics(ood_certainty, in_certainty)
     assert flipped["auroc"] == 0.0
     assert flipped["fpr_at_95_tpr"] == 1.0
 
@@ -108,12 +108,12 @@ def test_fpr_at_exactly_95_percent_tpr():
     # catching all 20 would also flag the in-distribution 0.185.
     ood_certainty = np.arange(20) / 100
     in_certainty = np.array([0.185, 0.5, 0.6, 0.7])
-    metrics = keras_duq.ood_metrics(in_certainty, ood_certainty)
+    metrics = keras_duq.evaluation.ood_metrics(in_certainty, ood_certainty)
     assert metrics["fpr_at_95_tpr"] == 0.0
 
 
 def test_ood_metrics_ties_are_chance():
-    metrics = keras_duq.ood_metrics([0.5, 0.5], [0.5, 0.5])
+    metrics = keras_duq.evaluation.ood_metrics([0.5, 0.5], [0.5, 0.5])
     assert metrics["auroc"] == 0.5
     assert metrics["fpr_at_95_tpr"] == 1.0
 
@@ -128,7 +128,7 @@ def test_ood_metrics_ties_are_chance():
 )
 def test_ood_metrics_reject_bad_input(in_certainty, ood_certainty, match):
     with pytest.raises(ValueError, match=match):
-        keras_duq.ood_metrics(in_certainty, ood_certainty)
+        keras_duq.evaluation.ood_metrics(in_certainty, ood_certainty)
 
 
 # ---------------------------------------------------- misclassification_auroc
@@ -138,15 +138,15 @@ def test_misclassification_auroc_by_hand():
     certainty = [0.9, 0.4, 0.5, 0.2]
     correct = [True, True, False, False]
     # Correct above wrong in 3 of the 4 (correct, wrong) pairs.
-    assert keras_duq.misclassification_auroc(certainty, correct) == 0.75
-    assert keras_duq.misclassification_auroc(certainty, [1, 1, 0, 0]) == 0.75
+    assert keras_duq.evaluation.misclassification_auroc(certainty, correct) == 0.75
+    assert keras_duq.evaluation.misclassification_auroc(certainty, [1, 1, 0, 0]) == 0.75
 
 
 def test_misclassification_auroc_matches_sklearn():
     rng = np.random.default_rng(2)
     correct = rng.random(400) < 0.8
     certainty = rng.normal(correct.astype(float), 1.0)
-    assert keras_duq.misclassification_auroc(certainty, correct) == pytest.approx(
+    assert keras_duq.evaluation.misclassification_auroc(certainty, correct) == pytest.approx(
         sk_metrics.roc_auc_score(correct, certainty)
     )
 
@@ -161,7 +161,7 @@ def test_misclassification_auroc_matches_sklearn():
 )
 def test_misclassification_auroc_rejects_bad_input(correct, match):
     with pytest.raises(ValueError, match=match):
-        keras_duq.misclassification_auroc([0.1, 0.2, 0.3], correct)
+        keras_duq.evaluation.misclassification_auroc([0.1, 0.2, 0.3], correct)
 
 
 # ------------------------------------------------------------ rejection_curve
@@ -170,7 +170,7 @@ def test_misclassification_auroc_rejects_bad_input(correct, match):
 def test_rejection_curve_by_hand():
     # Pooled, least certain first: 0.1 OoD, 0.3 wrong, 0.6 right, 0.7 OoD,
     # 0.8 right, 0.9 right. 3 of the 6 are right.
-    curve = keras_duq.rejection_curve(
+    curve = keras_duq.evaluation.rejection_curve(
         in_certainty=[0.9, 0.8, 0.3, 0.6],
         in_correct=[True, True, False, True],
         ood_certainty=[0.1, 0.7],
@@ -187,23 +187,23 @@ def test_rejection_curve_by_hand():
 
 
 def test_rejection_curve_without_ood_starts_at_accuracy():
-    curve = keras_duq.rejection_curve([0.2, 0.9, 0.8, 0.7], [0, 1, 1, 1], num_points=5)
+    curve = keras_duq.evaluation.rejection_curve([0.2, 0.9, 0.8, 0.7], [0, 1, 1, 1], num_points=5)
     np.testing.assert_allclose(curve["accuracy"], [0.75, 1, 1, 1, np.nan])
 
 
 def test_rejection_curve_splits_ties_evenly():
     # Rejecting one of two equally certain examples (one right, one wrong)
     # keeps half a right one on average, not whichever sorts first.
-    curve = keras_duq.rejection_curve([0.5, 0.5], [True, False], num_points=3)
+    curve = keras_duq.evaluation.rejection_curve([0.5, 0.5], [True, False], num_points=3)
     np.testing.assert_allclose(curve["accuracy"], [0.5, 0.5, np.nan])
-    curve = keras_duq.rejection_curve([0.5, 0.5], [False, True], num_points=3)
+    curve = keras_duq.evaluation.rejection_curve([0.5, 0.5], [False, True], num_points=3)
     np.testing.assert_allclose(curve["accuracy"], [0.5, 0.5, np.nan])
 
 
 def test_rejection_curve_never_beats_oracle():
     rng = np.random.default_rng(3)
     correct = rng.random(300) < 0.9
-    curve = keras_duq.rejection_curve(
+    curve = keras_duq.evaluation.rejection_curve(
         rng.random(300), correct, ood_certainty=rng.random(100)
     )
     assert len(curve["accuracy"]) == 101
@@ -212,7 +212,7 @@ def test_rejection_curve_never_beats_oracle():
 
 def test_rejection_curve_rejects_bad_num_points():
     with pytest.raises(ValueError, match="num_points"):
-        keras_duq.rejection_curve([0.5], [True], num_points=1)
+        keras_duq.evaluation.rejection_curve([0.5], [True], num_points=1)
 
 
 # ---------------------------------------------------------- OODEvaluation
@@ -238,7 +238,7 @@ def test_callback_logs_land_in_history_duq():
     )
     model = keras_duq.wrap(backbone, num_classes=2, length_scale=0.3)
     model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9))
-    evaluation = keras_duq.OODEvaluation(
+    evaluation = keras_duq.callbacks.OODEvaluation(
         in_distribution=(x_test, y_test),
         out_of_distribution=_far_points(64, 2),
         every_n_epochs=2,
@@ -284,7 +284,7 @@ def test_callback_csv_logger_every_epoch(tmp_path):
     model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
     csv_path = tmp_path / "log.csv"
     callbacks = [
-        keras_duq.OODEvaluation(x_train, _far_points(32, 1), every_n_epochs=1),
+        keras_duq.callbacks.OODEvaluation(x_train, _far_points(32, 1), every_n_epochs=1),
         keras.callbacks.CSVLogger(str(csv_path)),
     ]
     history = model.fit(x_train, y_train, epochs=2, verbose=0, callbacks=callbacks)
@@ -313,7 +313,7 @@ def test_callback_with_softmax_model_and_datasets():
     )
     out_of_distribution = tf.data.Dataset.from_tensor_slices(_far_points(50, 2))
     out_of_distribution = out_of_distribution.batch(32)
-    evaluation = keras_duq.OODEvaluation(
+    evaluation = keras_duq.callbacks.OODEvaluation(
         in_distribution,
         out_of_distribution,
         every_n_epochs=1,
@@ -336,7 +336,7 @@ def test_callback_without_labels_logs_only_ood_metrics():
     model = keras.Sequential(
         [keras.Input((2,)), keras.layers.Dense(3, activation="softmax")]
     )
-    evaluation = keras_duq.OODEvaluation(_moons(40, 0)[0], _far_points(40, 1))
+    evaluation = keras_duq.callbacks.OODEvaluation(_moons(40, 0)[0], _far_points(40, 1))
     evaluation.set_model(model)
     assert set(evaluation.evaluate()) == {"ood_auroc", "ood_aupr", "ood_fpr_at_95_tpr"}
 
@@ -349,7 +349,7 @@ def test_callback_with_tensorboard_after_it(tmp_path):
     )
     model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
     callbacks = [
-        keras_duq.OODEvaluation(x_train, _far_points(32, 1), every_n_epochs=1),
+        keras_duq.callbacks.OODEvaluation(x_train, _far_points(32, 1), every_n_epochs=1),
         keras.callbacks.TensorBoard(str(tmp_path)),
     ]
     model.fit(x_train, y_train, epochs=1, verbose=0, callbacks=callbacks)
@@ -378,4 +378,4 @@ def test_callback_rejects_bad_arguments(kwargs, match):
         **kwargs,
     }
     with pytest.raises(ValueError, match=match):
-        keras_duq.OODEvaluation(**arguments)
+        keras_duq.callbacks.OODEvaluation(**arguments)

@@ -1,4 +1,4 @@
-"""Tests of keras_duq._plots: figures are returned, complete and savable."""
+"""Tests of keras_duq.plots: figures are returned, complete and savable."""
 
 import keras
 import matplotlib.image
@@ -25,13 +25,13 @@ def _legend_texts(axes):
 
 
 def test_plot_roc_curve(tmp_path):
-    figure = keras_duq.plot_roc_curve(
+    figure = keras_duq.plots.plot_roc_curve(
         IN_CERTAINTY, OOD_CERTAINTY, label="DUQ", title="FashionMNIST vs MNIST"
     )
     assert isinstance(figure, Figure)
     (axes,) = figure.axes
     assert len(axes.get_lines()) == 2  # the curve and the chance diagonal
-    auroc = keras_duq.ood_metrics(IN_CERTAINTY, OOD_CERTAINTY)["auroc"]
+    auroc = keras_duq.evaluation.ood_metrics(IN_CERTAINTY, OOD_CERTAINTY)["auroc"]
     assert _legend_texts(axes)[0] == f"DUQ (AUROC {auroc:.3f})"
     assert axes.get_title() == "FashionMNIST vs MNIST"
     fpr, tpr = axes.get_lines()[0].get_data()
@@ -40,8 +40,8 @@ def test_plot_roc_curve(tmp_path):
 
 
 def test_plot_rejection_curve_from_dict_and_inputs(tmp_path):
-    curve = keras_duq.rejection_curve(IN_CERTAINTY, IN_CORRECT, OOD_CERTAINTY)
-    figure = keras_duq.plot_rejection_curve(curve, label="DUQ")
+    curve = keras_duq.evaluation.rejection_curve(IN_CERTAINTY, IN_CORRECT, OOD_CERTAINTY)
+    figure = keras_duq.plots.plot_rejection_curve(curve, label="DUQ")
     assert isinstance(figure, Figure)
     (axes,) = figure.axes
     model_line, oracle_line = axes.get_lines()
@@ -50,7 +50,7 @@ def test_plot_rejection_curve_from_dict_and_inputs(tmp_path):
     assert _legend_texts(axes) == ["DUQ", "theoretical maximum"]
     _saves_png(figure, tmp_path / "rejection.png")
 
-    same = keras_duq.plot_rejection_curve(
+    same = keras_duq.plots.plot_rejection_curve(
         in_certainty=IN_CERTAINTY, in_correct=IN_CORRECT, ood_certainty=OOD_CERTAINTY
     )
     np.testing.assert_array_equal(
@@ -69,11 +69,11 @@ def test_plot_rejection_curve_from_dict_and_inputs(tmp_path):
 )
 def test_plot_rejection_curve_rejects_bad_input(args, kwargs, match):
     with pytest.raises(ValueError, match=match):
-        keras_duq.plot_rejection_curve(*args, **kwargs)
+        keras_duq.plots.plot_rejection_curve(*args, **kwargs)
 
 
 def test_plot_certainty_histograms(tmp_path):
-    figure = keras_duq.plot_certainty_histograms(
+    figure = keras_duq.plots.plot_certainty_histograms(
         IN_CERTAINTY, OOD_CERTAINTY, bins=20, in_label="FashionMNIST", ood_label="MNIST"
     )
     assert isinstance(figure, Figure)
@@ -88,13 +88,13 @@ def test_plot_certainty_histograms(tmp_path):
 
 
 def test_plot_certainty_histograms_constant_certainty():
-    figure = keras_duq.plot_certainty_histograms(np.ones(5), np.ones(3), bins=4)
+    figure = keras_duq.plots.plot_certainty_histograms(np.ones(5), np.ones(3), bins=4)
     assert len(figure.axes[0].patches) == 8
 
 
 def test_plot_certainty_histograms_rejects_bad_bins():
     with pytest.raises(ValueError, match="bins"):
-        keras_duq.plot_certainty_histograms(IN_CERTAINTY, OOD_CERTAINTY, bins=0)
+        keras_duq.plots.plot_certainty_histograms(IN_CERTAINTY, OOD_CERTAINTY, bins=0)
 
 
 def test_plot_certainty_map(tmp_path):
@@ -102,7 +102,7 @@ def test_plot_certainty_map(tmp_path):
     model = keras_duq.wrap(backbone, num_classes=2, length_scale=0.3)
     x = RNG.normal(size=(20, 2)).astype("float32")
     y = np.arange(20) % 2
-    figure = keras_duq.plot_certainty_map(model, x, y, resolution=20, title="moons")
+    figure = keras_duq.plots.plot_certainty_map(model, x, y, resolution=20, title="moons")
     assert isinstance(figure, Figure)
     assert figure.axes[0].get_title() == "moons"
     _saves_png(figure, tmp_path / "map.png")

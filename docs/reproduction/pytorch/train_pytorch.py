@@ -195,7 +195,7 @@ def main():
     parser.add_argument(
         "--last-batch", choices=("drop", "keep"), default="drop",
         help="the epoch's last partial batch: dropped (the paper's code) or kept "
-        "(keras_duq.make_dataset)",
+        "(keras_duq.datasets.make_dataset)",
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

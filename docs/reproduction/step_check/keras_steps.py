@@ -31,9 +31,9 @@ def main():
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch-size", type=int, default=128)
     args = parser.parse_args()
-    (x, y), _ = keras_duq.load_fashion_mnist()
+    (x, y), _ = keras_duq.datasets.load_fashion_mnist()
     n = args.steps * args.batch_size
-    x, y = keras_duq.normalize(x[:n]), y[:n].astype("int32")
+    x, y = keras_duq.datasets.normalize(x[:n]), y[:n].astype("int32")
     np.savez("batches.npz", x=x, y=y)
     initial = None
     for bce_epsilon in (0.0, 1e-12):

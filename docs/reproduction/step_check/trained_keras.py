@@ -50,8 +50,8 @@ def main():
     keras.utils.set_random_seed(0)
     keras.config.set_floatx(args.dtype)
     model = fashion_mnist.build_duq_model(fashion_mnist.parse_args([]), 469)
-    (x, y), _ = keras_duq.load_fashion_mnist()
-    x, y = keras_duq.normalize(x[:128]).astype(args.dtype), y[:128].astype("int32")
+    (x, y), _ = keras_duq.datasets.load_fashion_mnist()
+    x, y = keras_duq.datasets.normalize(x[:128]).astype(args.dtype), y[:128].astype("int32")
     model(x[:2], training=False)
     model.load_weights(STATE)  # warns that it skips the optimizer: not needed here
     np.savez(

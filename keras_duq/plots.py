@@ -1,16 +1,38 @@
-"""Matplotlib plots used in the paper. Every function returns the figure."""
+"""The paper's figures, drawn with matplotlib. Every function returns the figure.
+
+matplotlib is an optional dependency (`pip install "keras-duq[plots]"`),
+imported the first time a figure is drawn.
+
+Example:
+
+```python
+from keras_duq import plots
+
+plots.plot_certainty_histograms(in_certainty, ood_certainty).savefig("hist.png")
+```"""
 
 from __future__ import annotations
 
 import numpy as np
-from matplotlib.figure import Figure
 from sklearn import metrics as sk_metrics
 
-from keras_duq import _evaluation
+from keras_duq import evaluation as _evaluation
 from keras_duq._validation import check_int
 
 # Figures are built with `matplotlib.figure.Figure`, not `pyplot`: nothing
 # pops up, nothing is kept in pyplot's global registry, and any backend works.
+
+
+def _new_figure(**kwargs):
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as error:
+        raise ImportError(
+            "keras_duq's plots need matplotlib, which is not installed. "
+            'Install it with `pip install "keras-duq[plots]"` (or `pip '
+            "install matplotlib`)."
+        ) from error
+    return Figure(**kwargs)
 
 
 def plot_certainty_map(
@@ -30,7 +52,7 @@ def plot_certainty_map(
     Example:
 
     ```python
-    figure = keras_duq.plot_certainty_map(model, x_train, y_train)
+    figure = keras_duq.plots.plot_certainty_map(model, x_train, y_train)
     figure.savefig("two_moons.png")
     ```
 
@@ -52,7 +74,7 @@ def plot_certainty_map(
     grid_x, grid_y = np.meshgrid(xs, ys)
     grid = np.stack([grid_x.ravel(), grid_y.ravel()], axis=1).astype("float32")
     certainty = np.max(model.predict(grid, batch_size=4096, verbose=0), axis=1)
-    figure = Figure(figsize=(6, 5))
+    figure = _new_figure(figsize=(6, 5))
     axes = figure.subplots()
     image = axes.contourf(
         grid_x,
@@ -76,7 +98,7 @@ def plot_roc_curve(
     ood_certainty,
     label: str | None = None,
     title: str | None = None,
-) -> Figure:
+) -> "matplotlib.figure.Figure":
     """ROC curve of separating in-distribution from OoD data, as in Figure 5.
 
     Uses the convention of `ood_metrics`: OoD is the positive class and the
@@ -86,7 +108,7 @@ def plot_roc_curve(
     Example:
 
     ```python
-    figure = keras_duq.plot_roc_curve(
+    figure = keras_duq.plots.plot_roc_curve(
         model.predict(x_fashion_mnist).max(axis=1),
         model.predict(x_mnist).max(axis=1),
         label="DUQ",
@@ -109,7 +131,7 @@ def plot_roc_curve(
     is_ood, uncertainty = _evaluation._detection_problem(in_certainty, ood_certainty)
     fpr, tpr, _ = sk_metrics.roc_curve(is_ood, uncertainty)
     auroc = sk_metrics.roc_auc_score(is_ood, uncertainty)
-    figure = Figure(figsize=(5, 5))
+    figure = _new_figure(figsize=(5, 5))
     axes = figure.subplots()
     name = f"{label} " if label else ""
     axes.plot(fpr, tpr, color="tab:blue", label=f"{name}(AUROC {auroc:.3f})")
@@ -129,7 +151,7 @@ def plot_rejection_curve(
     ood_certainty=None,
     label: str | None = None,
     title: str | None = None,
-) -> Figure:
+) -> "matplotlib.figure.Figure":
     """Accuracy on the kept data against the rejected fraction (Figure 6).
 
     Draws the model's curve and the oracle ("theoretical maximum") of
@@ -139,10 +161,10 @@ def plot_rejection_curve(
     Example:
 
     ```python
-    curve = keras_duq.rejection_curve(in_certainty, in_correct, ood_certainty)
-    figure = keras_duq.plot_rejection_curve(curve, label="DUQ")
+    curve = keras_duq.evaluation.rejection_curve(in_certainty, in_correct, ood_certainty)
+    figure = keras_duq.plots.plot_rejection_curve(curve, label="DUQ")
     # or, in one go:
-    figure = keras_duq.plot_rejection_curve(
+    figure = keras_duq.plots.plot_rejection_curve(
         in_certainty=in_certainty,
         in_correct=in_correct,
         ood_certainty=ood_certainty,
@@ -169,7 +191,7 @@ def plot_rejection_curve(
     ):
         raise ValueError(
             "Pass either `curve` (the dict returned by "
-            "`keras_duq.rejection_curve`) or `in_certainty` and `in_correct` "
+            "`keras_duq.evaluation.rejection_curve`) or `in_certainty` and `in_correct` "
             "(and optionally `ood_certainty`), not both and not neither. "
             f"Received: `curve` {'set' if curve is not None else 'None'}, "
             f"`in_certainty` {'set' if in_certainty is not None else 'None'}, "
@@ -187,10 +209,10 @@ def plot_rejection_curve(
     missing = {"rejected_fraction", "accuracy", "oracle_accuracy"} - set(curve)
     if missing:
         raise ValueError(
-            "`curve` must be the dict returned by `keras_duq.rejection_curve`. "
+            "`curve` must be the dict returned by `keras_duq.evaluation.rejection_curve`. "
             f"Received: a dict missing the keys {sorted(missing)}"
         )
-    figure = Figure(figsize=(6, 4.5))
+    figure = _new_figure(figsize=(6, 4.5))
     axes = figure.subplots()
     axes.plot(
         curve["rejected_fraction"],
@@ -219,7 +241,7 @@ def plot_certainty_histograms(
     ood_label: str = "out of distribution",
     xlabel: str = "certainty",
     title: str | None = None,
-) -> Figure:
+) -> "matplotlib.figure.Figure":
     """Normalised histograms of the certainty on in-distribution and OoD data.
 
     As in the paper's Figure 7, each histogram is a density (area 1), so sets
@@ -228,7 +250,7 @@ def plot_certainty_histograms(
     Example:
 
     ```python
-    figure = keras_duq.plot_certainty_histograms(
+    figure = keras_duq.plots.plot_certainty_histograms(
         model.predict(x_fashion_mnist).max(axis=1),
         model.predict(x_mnist).max(axis=1),
         in_label="FashionMNIST",
@@ -259,7 +281,7 @@ def plot_certainty_histograms(
         # A constant certainty still needs bins of non-zero width.
         low, high = low - 0.5, high + 0.5
     edges = np.linspace(low, high, bins + 1)
-    figure = Figure(figsize=(6, 4))
+    figure = _new_figure(figsize=(6, 4))
     axes = figure.subplots()
     axes.hist(
         in_certainty, bins=edges, density=True, alpha=0.6, color="tab:blue",

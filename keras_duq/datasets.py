@@ -53,7 +53,7 @@ def read_idx(path) -> np.ndarray:
     Example:
 
     ```python
-    labels = keras_duq.read_idx("mnist/t10k-labels-idx1-ubyte.gz")
+    labels = keras_duq.datasets.read_idx("mnist/t10k-labels-idx1-ubyte.gz")
     labels.shape   # (10000,)
     ```
 
@@ -103,8 +103,8 @@ def load_fashion_mnist(path=None):
     Example:
 
     ```python
-    (x_train, y_train), (x_test, y_test) = keras_duq.load_fashion_mnist()
-    x_train = keras_duq.normalize(x_train)   # (60000, 28, 28, 1) float32
+    (x_train, y_train), (x_test, y_test) = keras_duq.datasets.load_fashion_mnist()
+    x_train = keras_duq.datasets.normalize(x_train)   # (60000, 28, 28, 1) float32
     ```
 
     Args:
@@ -132,8 +132,8 @@ def load_mnist_test(path=None):
     Example:
 
     ```python
-    x_ood, y_ood = keras_duq.load_mnist_test("shared/data/mnist")
-    x_ood = keras_duq.normalize(x_ood)   # FashionMNIST's mean and std
+    x_ood, y_ood = keras_duq.datasets.load_mnist_test("shared/data/mnist")
+    x_ood = keras_duq.datasets.normalize(x_ood)   # FashionMNIST's mean and std
     ```
 
     Args:
@@ -168,8 +168,8 @@ def normalize(
     Example:
 
     ```python
-    x_train = keras_duq.normalize(x_train)   # FashionMNIST statistics
-    x_ood = keras_duq.normalize(x_mnist)     # the same statistics
+    x_train = keras_duq.datasets.normalize(x_train)   # FashionMNIST statistics
+    x_ood = keras_duq.datasets.normalize(x_mnist)     # the same statistics
     ```
 
     Args:
@@ -238,8 +238,8 @@ def make_dataset(
     Example:
 
     ```python
-    train = keras_duq.make_dataset(x_train, y_train, shuffle=True, seed=0)
-    test = keras_duq.make_dataset(x_test, y_test)
+    train = keras_duq.datasets.make_dataset(x_train, y_train, shuffle=True, seed=0)
+    test = keras_duq.datasets.make_dataset(x_test, y_test)
     model.fit(train, epochs=30)
     ```
 

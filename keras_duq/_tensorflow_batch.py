@@ -1,0 +1,174 @@
+"""Checks and standardises one training or evaluation batch (TensorFlow backend).
+
+Checks of values (label range, integer labels, finite inputs) run in the
+graph. `validate_batch` routes every tensor the step uses through them, so a
+bad batch raises before the optimizer or the centroid update touches any
+state.
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+_LABEL_FORMATS = "(batch,) or (batch, 1) class indices, or one-hot (batch, {n})"
+
+
+def validate_batch(model, x, y, sample_weight):
+    """Returns `(x, labels_one_hot, sample_weight)`, all depending on the checks."""
+    if model.loss is not None:
+        raise ValueError(
+            "DUQModel computes its own loss (binary cross-entropy on the "
+            "kernel values plus the gradient penalty). Remove `loss` from "
+            f"`compile()`. Received: `loss={model.loss!r}`"
+        )
+    x = standardize_inputs(model.feature_extractor.input, x)
+    if sample_weight is not None:
+        sample_weight = tf.reshape(tf.cast(sample_weight, "float32"), (-1,))
+    labels_one_hot, checks = labels_to_one_hot(y, model.num_classes)
+    checks += _finite_input_checks(x)
+    if not checks:
+        return x, labels_one_hot, sample_weight
+    with tf.control_dependencies(checks):
+        return tf.nest.map_structure(
+            lambda t: None if t is None else tf.identity(t),
+            (x, labels_one_hot, sample_weight),
+        )
+
+
+def standardize_inputs(specs, x):
+    """Casts inputs declared floating point to their declared dtype.
+
+    Integer images (`uint8`) must become floats before the penalty's input
+    gradient is taken; integer inputs declared as such (token ids) stay.
+    """
+
+    def cast(spec, value):
+        value = tf.convert_to_tensor(value)
+        if is_float(spec.dtype) and value.dtype != spec.dtype:
+            return tf.cast(value, spec.dtype)
+        return value
+
+    try:
+        return keras.tree.map_structure(cast, specs, x)
+    except (ValueError, TypeError):
+        # A structure Keras accepts but that differs from the declared
+        # one (e.g. a list for a dict); the functional call maps it.
+        return tf.nest.map_structure(tf.convert_to_tensor, x)
+
+
+def labels_to_one_hot(y, num_classes):
+    """One-hot float32 labels and the in-graph checks of their values.
+
+    Accepts every documented format in any order on one model. Keras
+    retraces the step with relaxed shapes when the label shape changes
+    between calls, so the format is decided from the static shape when it is
+    known and at run time otherwise.
+    """
+    if y is None:
+        raise ValueError(
+            "DUQModel needs labels to train and evaluate: pass `y` (or a "
+            "dataset of `(x, y)` pairs)."
+        )
+    y = tf.convert_to_tensor(y)
+    formats = _LABEL_FORMATS.format(n=num_classes)
+    if y.dtype == tf.bool or not (y.dtype.is_integer or y.dtype.is_floating):
+        raise ValueError(
+            f"Expected numeric labels: {formats}. Received: labels of dtype "
+            f"{y.dtype.name}."
+        )
+    rank = y.shape.rank
+    last = y.shape[-1] if rank else None
+    if rank is not None and (rank not in (1, 2) or (rank == 2 and last not in (None, 1, num_classes))):
+        raise ValueError(
+            f"Expected labels of shape {formats} for this model with "
+            f"num_classes={num_classes}. Received: labels of shape "
+            f"{y.shape}. If the labels are one-hot for a different number "
+            "of classes, build the model with that `num_classes`."
+        )
+    if rank == 2 and last == num_classes:
+        return tf.cast(y, "float32"), []
+    if rank == 1 or (rank == 2 and last == 1):
+        indices, checks = _class_indices(tf.reshape(y, (-1,)), num_classes)
+        return tf.one_hot(indices, num_classes, dtype="float32"), checks
+    return _labels_of_unknown_format(y, num_classes, formats)
+
+
+def _labels_of_unknown_format(y, num_classes, formats):
+    rank = tf.rank(y)
+    last = tf.shape(tf.reshape(y, (tf.shape(y)[0], -1)))[-1]
+    is_one_hot = tf.logical_and(tf.equal(rank, 2), tf.equal(last, num_classes))
+    is_indices = tf.logical_or(
+        tf.equal(rank, 1), tf.logical_and(tf.equal(rank, 2), tf.equal(last, 1))
+    )
+    shape_check = tf.debugging.Assert(
+        tf.logical_or(is_one_hot, is_indices),
+        [
+            f"Expected labels of shape {formats} for this model with "
+            f"num_classes={num_classes}. Received: labels of shape",
+            tf.shape(y),
+        ],
+    )
+    flat = tf.reshape(y, (-1,))
+    # One-hot labels pass the index checks trivially: they only bind for indices.
+    candidate = tf.where(is_one_hot, tf.zeros_like(flat), flat)
+    indices, checks = _class_indices(candidate, num_classes)
+    one_hot = tf.cond(
+        is_one_hot,
+        lambda: tf.cast(tf.reshape(y, (-1, num_classes)), "float32"),
+        lambda: tf.one_hot(indices, num_classes, dtype="float32"),
+    )
+    return one_hot, [shape_check] + checks
+
+
+def _class_indices(labels, num_classes):
+    """int64 class indices from a flat label vector, and their checks."""
+    checks = []
+    if labels.dtype.is_floating:
+        checks.append(
+            tf.debugging.assert_equal(
+                labels,
+                tf.floor(labels),
+                message=(
+                    "Labels must be whole class indices, but a fractional "
+                    "label (e.g. 0.5) was found. Pass integer class indices, "
+                    "or one-hot labels of shape (batch, num_classes)."
+                ),
+                summarize=5,
+            )
+        )
+    indices = tf.cast(labels, "int64")
+    checks += [
+        tf.debugging.assert_non_negative(
+            indices,
+            f"Labels must be class indices in [0, {num_classes}), "
+            "but a negative label was found.",
+        ),
+        tf.debugging.assert_less(
+            indices,
+            tf.constant(num_classes, "int64"),
+            f"Labels must be class indices in [0, {num_classes}) for this "
+            f"model with num_classes={num_classes}, but a label >= "
+            f"{num_classes} was found. Check the labels, or build the "
+            "model with the right `num_classes`.",
+        ),
+    ]
+    return indices, checks
+
+
+def _finite_input_checks(x):
+    return [
+        tf.debugging.assert_all_finite(
+            t,
+            "DUQModel received an input batch containing NaN or Inf "
+            "values. Clean or impute the data before training "
+            "(e.g. `np.nan_to_num`); the gradient penalty and the "
+            "centroids cannot recover from a non-finite input.",
+        )
+        for t in tf.nest.flatten(x)
+        if is_float(t.dtype)
+    ]
+
+
+def is_float(dtype):
+    return keras.backend.is_float_dtype(keras.backend.standardize_dtype(dtype))

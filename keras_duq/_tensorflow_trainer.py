@@ -1,0 +1,209 @@
+"""The DUQ training and evaluation steps on the TensorFlow backend.
+
+One training step:
+
+1. Check the batch (`_tensorflow_batch`): a bad batch raises here, before
+   any state changes.
+2. Forward pass in training mode. With the penalty on, a nested
+   `tf.GradientTape` takes the input gradient of `sum_c K_c`, whose norm is
+   penalised (double backprop). The outer tape differentiates the objective:
+   cross-entropy + `lambda` * penalty + coupled L2 weight decay.
+3. Guard: a step whose loss or gradients are not finite is never applied.
+   Under a `LossScaleOptimizer` it is skipped and the scale lowered (a normal
+   event in float16); otherwise training stops with an error naming causes.
+4. Optimizer step, then the centroid moving-average update from features
+   recomputed in inference mode with the updated weights.
+
+With `jit_compile`, steps 2 and 4's feature computation are compiled by XLA,
+while the checks and the state updates stay in the TensorFlow graph around
+them: XLA drops assertion ops without a word.
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+from keras import ops
+
+from keras_duq import _moments
+from keras_duq import _ops
+from keras_duq._tensorflow_batch import is_float
+from keras_duq._tensorflow_batch import validate_batch
+from keras_duq._validation import NON_FINITE_TRAINING_MESSAGE
+
+NON_FINITE_STEP_MESSAGE = (
+    "DUQModel: a training step produced a non-finite loss or gradient: "
+    + NON_FINITE_TRAINING_MESSAGE
+)
+
+
+def train_step(model, data):
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    x, labels_one_hot, sample_weight = validate_batch(model, x, y, sample_weight)
+    weights = model.trainable_weights
+
+    def gradients_and_losses(x, labels_one_hot, sample_weight):
+        with tf.GradientTape() as tape:
+            log_kernel, penalty, objective, bce = _objective(
+                model, x, labels_one_hot, sample_weight, training=True
+            )
+            # Replicas' gradients are summed: divide by their number.
+            scaled = objective / tf.distribute.get_strategy().num_replicas_in_sync
+            scaled = model.optimizer.scale_loss(scaled)
+        gradients = tape.gradient(scaled, weights)
+        return gradients, log_kernel, penalty, objective, bce
+
+    gradients, log_kernel, penalty, objective, bce = _maybe_xla(
+        model, gradients_and_losses
+    )(x, labels_one_hot, sample_weight)
+    finite = _all_finite(gradients + [objective])
+    if isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer):
+        # It skips such a step itself and lowers the loss scale.
+        applied = finite
+    else:
+        applied = None
+        # Every state change of the step (weights, optimizer slots,
+        # centroids) depends on the check, so a failed check changes nothing.
+        with tf.control_dependencies(
+            [tf.debugging.Assert(finite, [NON_FINITE_STEP_MESSAGE])]
+        ):
+            gradients = [None if g is None else tf.identity(g) for g in gradients]
+            x, labels_one_hot = tf.nest.map_structure(
+                tf.identity, (x, labels_one_hot)
+            )
+    model.optimizer.apply(gradients, weights)
+    _run_if(applied, lambda: _update_centroids(model, x, labels_one_hot))
+    # A skipped step's loss may be inf (the scaled input gradient): not logged.
+    _run_if(
+        applied,
+        lambda: model._update_duq_metrics(
+            x, y, sample_weight, log_kernel, penalty, objective, bce, labels_one_hot
+        ),
+    )
+    return _logs(model)
+
+
+def test_step(model, data):
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    x, labels_one_hot, sample_weight = validate_batch(model, x, y, sample_weight)
+    log_kernel, penalty, objective, bce = _maybe_xla(
+        model,
+        lambda x, labels_one_hot, sample_weight: _objective(
+            model, x, labels_one_hot, sample_weight, training=False
+        ),
+    )(x, labels_one_hot, sample_weight)
+    model._update_duq_metrics(
+        x, y, sample_weight, log_kernel, penalty, objective, bce, labels_one_hot
+    )
+    return _logs(model)
+
+
+def _objective(model, x, labels_one_hot, sample_weight, training):
+    """Kernel values (log), penalty, full objective and its BCE part."""
+    log_kernel, penalty = _log_kernel_and_penalty(model, x, training=training)
+    loss, bce = _ops.duq_loss(
+        log_kernel,
+        labels_one_hot,
+        penalty,
+        model.gradient_penalty,
+        sample_weight,
+        model.bce_epsilon,
+    )
+    objective = loss + _ops.coupled_weight_decay_loss(
+        model.trainable_weights, model.weight_decay
+    )
+    return log_kernel, penalty, objective, bce
+
+
+def _log_kernel_and_penalty(model, x, training):
+    """Forward pass; with the penalty on, also the per-example penalty."""
+    if model.gradient_penalty == 0:
+        features = model.feature_extractor(x, training=training)
+        return model.duq_output.log_kernel_values(features), None
+    float_inputs = [t for t in tf.nest.flatten(x) if is_float(t.dtype)]
+    scale = _input_gradient_scale(model)
+    with (
+        tf.GradientTape(watch_accessed_variables=False) as inner_tape,
+        _moments.second_order_moments(),
+    ):
+        inner_tape.watch(float_inputs)
+        features = model.feature_extractor(x, training=training)
+        log_kernel = model.duq_output.log_kernel_values(features)
+        kernel_sum = ops.sum(ops.exp(log_kernel))
+        if scale is not None:
+            kernel_sum = kernel_sum * scale
+    input_gradients = inner_tape.gradient(kernel_sum, float_inputs)
+    if scale is not None:
+        input_gradients = [
+            None if g is None else ops.cast(g, "float32") / scale
+            for g in input_gradients
+        ]
+    norms = _ops.gradient_norms(input_gradients)
+    return log_kernel, _ops.gradient_penalty(norms, model.penalty)
+
+
+def _input_gradient_scale(model):
+    """The loss scale, for the penalty's input gradient too (or `None`).
+
+    Under mixed_float16 the input gradient flows back through float16 layers,
+    where small values underflow to zero just as weight gradients do. Scaling
+    `sum_c K_c` by the optimizer's dynamic loss scale (a power of two: exact)
+    keeps them; an overflow makes the penalty, and so the gradients,
+    non-finite, and the optimizer then skips the step and lowers the scale.
+    """
+    optimizer = getattr(model, "optimizer", None)
+    if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return None
+    return ops.cast(optimizer.scale_loss(1.0), "float32")
+
+
+def _update_centroids(model, x, labels_one_hot):
+    features = _maybe_xla(
+        model, lambda x: model.feature_extractor(x, training=False)
+    )(x)
+    model.duq_output.update_centroids(features, labels_one_hot)
+
+
+def _logs(model):
+    logs = model.get_metrics_result()
+    if _is_multi_worker(tf.distribute.get_strategy()):
+        # Keras reduces each log over workers with `reduce("MEAN", axis=0)`,
+        # which needs a batch axis; metric results are scalars (and already
+        # global: mean of equal values).
+        logs = {name: ops.reshape(value, (1,)) for name, value in logs.items()}
+    return logs
+
+
+def _is_multi_worker(strategy):
+    return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+
+
+def _maybe_xla(model, function):
+    if model.jit_compile and not model.run_eagerly:
+        # No tensor-dependent Python control flow inside: no AutoGraph.
+        return tf.function(function, jit_compile=True, autograph=False)
+    return function
+
+
+def _all_finite(tensors):
+    checks = []
+    for tensor in tensors:
+        if tensor is None:
+            continue
+        if isinstance(tensor, tf.IndexedSlices):
+            tensor = tensor.values
+        checks.append(tf.reduce_all(tf.math.is_finite(tensor)))
+    return tf.reduce_all(tf.stack(checks))
+
+
+def _run_if(condition, function):
+    """Runs `function` (for its effects) if `condition`; always if it is `None`."""
+    if condition is None:
+        function()
+        return
+
+    def run():
+        function()
+        return tf.constant(True)
+
+    tf.cond(condition, run, lambda: tf.constant(False))

@@ -1,0 +1,92 @@
+"""Keras's private internals stay behind `keras_duq._compat`, and degrade safely."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+
+import keras_duq
+from keras_duq import _compat
+
+PACKAGE = Path(keras_duq.__file__).parent
+PRIVATE_KERAS = re.compile(
+    r"keras\.src|_keras_history|_jit_compile|_loss_tracker|_symbolic_build|_compute_moments"
+)
+
+
+def test_private_keras_names_only_in_the_compat_module():
+    offenders = [
+        f"{path.name}:{number}: {line.strip()}"
+        for path in sorted(PACKAGE.glob("*.py"))
+        if path.name != "_compat.py"
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if PRIVATE_KERAS.search(line)
+    ]
+    assert not offenders, offenders
+
+
+def test_a_moved_moments_function_degrades_with_one_warning(monkeypatch):
+    monkeypatch.setattr(_compat, "_MOMENTS_NAME", "_name_keras_no_longer_has")
+    monkeypatch.setattr(_compat, "_warned", set())
+    assert not _compat.batch_moments_supported()
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((3,))
+    features = keras.layers.BatchNormalization()(keras.layers.Dense(8)(inputs))
+    model = keras_duq.DUQModel(
+        inputs, keras_duq.DUQOutput(2, length_scale=0.5)(features), gradient_penalty=1.0
+    )
+    model.compile(optimizer="sgd")
+    x = np.random.default_rng(0).normal(size=(64, 3)).astype("float32")
+    with pytest.warns(RuntimeWarning, match="second-order term"):
+        history = model.fit(x, (x[:, 0] > 0).astype("int64"), epochs=2, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+
+
+def test_import_needs_neither_matplotlib_nor_scikit_learn():
+    # Keras itself imports both when they are installed, so block them: the
+    # core must import and train without them.
+    script = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in ("matplotlib", "sklearn"):
+            raise ImportError(f"blocked: {name}")
+sys.meta_path.insert(0, Block())
+import numpy as np, keras, keras_duq
+model = keras_duq.wrap(
+    keras.Sequential([keras.Input((2,)), keras.layers.Dense(4)]), num_classes=2
+)
+model.compile(optimizer="sgd")
+x = np.random.default_rng(0).normal(size=(32, 2)).astype("float32")
+model.fit(x, (x[:, 0] > 0).astype("int64"), epochs=1, verbose=0)
+mine = [m for m in sys.modules if m.startswith("keras_duq.")]
+print(sorted(mine))
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    loaded = result.stdout.strip().splitlines()[-1]
+    for namespace in ("evaluation", "plots", "datasets", "callbacks"):
+        assert f"keras_duq.{namespace}'" not in loaded, loaded
+
+
+def test_plots_without_matplotlib_raise_an_actionable_error(monkeypatch):
+    from keras_duq import plots
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    with pytest.raises(ImportError, match=r"keras-duq\[plots\]"):
+        plots.plot_certainty_histograms(np.array([0.9, 0.8]), np.array([0.1, 0.2]))
+
+
+def test_moved_names_still_work_with_a_deprecation_warning():
+    from keras_duq import evaluation
+
+    with pytest.warns(DeprecationWarning, match="keras_duq.evaluation.ood_metrics"):
+        assert keras_duq.ood_metrics is evaluation.ood_metrics
+    assert set(keras_duq.__all__) == {"DUQModel", "DUQOutput", "wrap", "__version__"}
