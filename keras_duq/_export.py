@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import keras
 import tensorflow as tf
 
@@ -30,7 +32,10 @@ def export_saved_model(model, filepath, verbose=False, input_signature=None):
     archive = keras.export.ExportArchive()
     archive.track(model)
     archive.add_endpoint("serve", serve, input_signature)
-    archive.write_out(filepath, verbose=bool(verbose))
+    if "verbose" in inspect.signature(archive.write_out).parameters:
+        archive.write_out(filepath, verbose=bool(verbose))
+    else:  # Keras < 3.6 prints nothing and takes no `verbose`.
+        archive.write_out(filepath)
 
 
 def serving_input_signature(inputs):

@@ -18,9 +18,16 @@ os.environ.setdefault("KERAS_HOME", str(DATA_DIR / "keras"))
 import pytest  # noqa: E402
 
 
+def _missing(message):
+    """Skips locally; fails under CI, where the data must be there."""
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"{message} CI must provide it (CI=true).")
+    pytest.skip(message)
+
+
 def _existing(path):
     if not path.exists():
-        pytest.skip(f"No offline data at {path} (expected shared/ beside the repo).")
+        _missing(f"No offline data at {path} (expected shared/ beside the repo).")
     return path
 
 
@@ -48,7 +55,7 @@ def keras_home():
 
     home = Path(config.keras_home())
     if not (home / "datasets" / "fashion-mnist").is_dir():
-        pytest.skip(f"KERAS_HOME={home} holds no datasets/fashion-mnist.")
+        _missing(f"KERAS_HOME={home} holds no datasets/fashion-mnist.")
     if not os.access(home, os.W_OK):
-        pytest.skip(f"KERAS_HOME={home} is read-only; keras would download.")
+        _missing(f"KERAS_HOME={home} is read-only; keras would download.")
     return home
