@@ -78,6 +78,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--length-scale", type=float, default=0.1)
     parser.add_argument(
+        "--bias-correction", action=argparse.BooleanOptionalAction, default=False,
+        help="Bias-correct the centroid moving average (keras_duq.DUQOutput).",
+    )
+    parser.add_argument(
         "--centroid-momentum", type=float, default=0.999,
         help="DUQ's gamma, momentum of the centroid moving average.",
     )
@@ -252,6 +256,7 @@ def build_duq_model(args, steps_per_epoch: int) -> keras_duq.DUQModel:
         gradient_penalty=args.gradient_penalty,
         weight_decay=WEIGHT_DECAY,
         bce_epsilon=args.bce_epsilon,
+        bias_correction=args.bias_correction,
     )
     model.compile(
         optimizer=make_optimizer(steps_per_epoch, args.epochs),

@@ -6,7 +6,11 @@ accuracy and certainty statistics, and writes a certainty map.
 
     python examples/two_moons.py                          # Figure 1
     python examples/two_moons.py --gradient-penalty 0     # Figure 3's failure
-    python examples/two_moons.py --seeds 0 1 2            # several seeds
+    python examples/two_moons.py --seeds $(seq 0 19)      # the 20-seed sweep
+
+Each run is checked against the demo's bar (`meets_bar`). It is not met on
+every seed: over 30 seeds about 85-90% meet it, whatever the penalty weight
+in [0.25, 1] (docs/two_moons.md has the tables).
 
 "Far" points are sampled uniformly in [-3.5, 4.5] x [-3, 3.5] and kept when
 farther than 1.0 from every training point. A good DUQ model is uncertain
@@ -30,6 +34,16 @@ import keras_duq
 
 X_RANGE = (-3.5, 4.5)
 Y_RANGE = (-3.0, 3.5)
+DEFAULT_GRADIENT_PENALTY = 1.0
+
+
+def meets_bar(result):
+    """The demo's bar: accurate, uncertain far from the data, and separating."""
+    return (
+        result["test_accuracy"] >= 0.98
+        and result["far_certainty_mean"] <= 0.05
+        and result["auroc_test_vs_far"] >= 0.99
+    )
 
 
 def make_data(seed, num_train=1500, num_test=500, noise=0.1):
@@ -49,7 +63,7 @@ def make_data(seed, num_train=1500, num_test=500, noise=0.1):
     )
 
 
-def build_model(gradient_penalty=1.0):
+def build_model(gradient_penalty=DEFAULT_GRADIENT_PENALTY, bias_correction=False):
     """The paper's two-moons model: three dense layers of 20 units.
 
     As in the reference notebook, the third layer is linear: a ReLU right
@@ -77,19 +91,27 @@ def build_model(gradient_penalty=1.0):
         kernel_initializer=keras.initializers.RandomNormal(stddev=1.0),
         gradient_penalty=gradient_penalty,
         weight_decay=1e-4,
+        bias_correction=bias_correction,
     )
     model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9))
     return model
 
 
-def run(seed, gradient_penalty=1.0, epochs=30, output_dir=None, verbose=0):
+def run(
+    seed,
+    gradient_penalty=DEFAULT_GRADIENT_PENALTY,
+    epochs=30,
+    output_dir=None,
+    verbose=0,
+    bias_correction=False,
+):
     """Trains one model; returns its metrics (and writes the map if asked)."""
     # A fresh Keras state per run, so a seed gives the same model whether it
     # runs alone or after other seeds in this process.
     keras.backend.clear_session()
     keras.utils.set_random_seed(seed)
     (x_train, y_train), (x_test, y_test), x_far = make_data(seed)
-    model = build_model(gradient_penalty)
+    model = build_model(gradient_penalty, bias_correction)
     start = time.perf_counter()
     model.fit(x_train, y_train, batch_size=64, epochs=epochs, verbose=verbose)
     train_seconds = time.perf_counter() - start
@@ -126,14 +148,18 @@ def run(seed, gradient_penalty=1.0, epochs=30, output_dir=None, verbose=0):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
-    parser.add_argument("--gradient-penalty", type=float, default=1.0)
+    parser.add_argument("--gradient-penalty", type=float, default=DEFAULT_GRADIENT_PENALTY)
+    parser.add_argument("--bias-correction", action="store_true")
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--output-dir", default="outputs/two_moons")
     parser.add_argument("--verbose", type=int, default=0)
     args = parser.parse_args(argv)
     all_results = []
     for seed in args.seeds:
-        results = run(seed, args.gradient_penalty, args.epochs, args.output_dir, args.verbose)
+        results = run(
+            seed, args.gradient_penalty, args.epochs, args.output_dir, args.verbose,
+            args.bias_correction,
+        )
         all_results.append(results)
         print(
             f"seed {seed}: test accuracy {results['test_accuracy']:.4f}, "
@@ -141,7 +167,13 @@ def main(argv=None):
             f"far {results['far_certainty_mean']:.4f}, "
             f"AUROC test vs far {results['auroc_test_vs_far']:.4f} "
             f"({results['train_seconds']:.1f} s)"
+            + ("" if meets_bar(results) else "  [misses the bar]")
         )
+    passed = sum(meets_bar(r) for r in all_results)
+    print(
+        f"{passed} of {len(all_results)} seeds meet the bar (accuracy >= 0.98, "
+        "mean far certainty <= 0.05, AUROC test vs far >= 0.99)"
+    )
     os.makedirs(args.output_dir, exist_ok=True)
     path = os.path.join(args.output_dir, f"results_gp{args.gradient_penalty:g}.json")
     with open(path, "w") as f:

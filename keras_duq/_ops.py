@@ -16,6 +16,11 @@ PENALTIES = ("two_sided", "one_sided")
 # times, as in the reference implementation: the first batches then move the
 # centroids gently instead of replacing them.
 INITIAL_CENTROID_COUNT = 12.0
+# With bias correction the prior is negligible instead: a centroid keeps its
+# random initial value until its class is first seen, then it is the
+# (momentum-weighted) average of the class's embeddings. A count of exactly
+# zero would divide by zero for classes not seen yet.
+BIAS_CORRECTED_CENTROID_COUNT = 1e-6
 
 # `log(1 - K)` is evaluated as `log(-expm1(log K))`, which is -inf when a
 # feature vector sits exactly on a wrong centroid. Clamping `log K` just below

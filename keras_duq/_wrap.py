@@ -24,6 +24,7 @@ def wrap(
     weight_decay: float = DEFAULT_WEIGHT_DECAY,
     bce_epsilon: float = 0.0,
     trainable_length_scale: bool = False,
+    bias_correction: bool = False,
     input_shape=None,
     name: str | None = None,
 ) -> DUQModel:
@@ -73,6 +74,8 @@ def wrap(
             `1e-12` that of the paper's PyTorch code (see `DUQModel`).
         trainable_length_scale: bool, learn one length scale per class.
             Defaults to `False`.
+        bias_correction: bool, bias-correct the centroid moving average
+            (see `DUQOutput`). Defaults to `False`.
         input_shape: tuple, the input shape without the batch dimension.
             Needed only when the backbone does not define its inputs (a
             subclassed model, or a Sequential model without `keras.Input`).
@@ -105,6 +108,7 @@ def wrap(
         momentum=momentum,
         kernel_initializer=kernel_initializer,
         trainable_length_scale=trainable_length_scale,
+        bias_correction=bias_correction,
         name="duq_output",
     )(features)
     return DUQModel(

@@ -270,8 +270,10 @@ def test_callback_logs_land_in_history_duq():
     for key in keys:
         assert len(history.history[key]) == 2, key
         assert history.history[key] == evaluation.history[key]
-    assert 0.0 <= history.history["ood_auroc"][-1] <= 1.0
-    assert 0.0 <= history.history["ood_in_distribution_accuracy"][-1] <= 1.0
+    # The logged values are those of the final weights, recomputed here.
+    final = evaluation.evaluate()
+    for key in keys:
+        assert history.history[key][-1] == pytest.approx(final[key]), key
     assert "ood_auroc" not in seen[0]
     assert seen[2]["ood_auroc"] == history.history["ood_auroc"][-1]
 
