@@ -16,6 +16,12 @@ behaviour degrades with one warning instead of failing.
    `strategy.reduce("MEAN", batch)`, which `MultiWorkerMirroredStrategy`
    rejects for any Keras model; the mixin overrides the private
    `Model._maybe_symbolic_build`. Degrades to: Keras's own build.
+3. `mark_jax_state_restored(model)`: Keras's JAX `fit` keeps the state
+   outside the variables between steps and, in a `finally`, writes back the
+   last state it saw. When a step raises (a bad batch), keras_duq has already
+   put the unchanged state into the variables, and the state Keras holds was
+   donated to the failed step; the flag tells Keras not to write it back.
+   Degrades to: an error about deleted arrays after the clear one.
 """
 
 from __future__ import annotations
@@ -46,6 +52,18 @@ def _moments_module():
     except ImportError:
         return None
     return module if hasattr(module, _MOMENTS_NAME) else None
+
+
+def mark_jax_state_restored(model):
+    """Tells Keras's JAX trainer that the variables hold the current state."""
+    if hasattr(model, "_jax_state_synced"):
+        model._jax_state_synced = True
+    else:
+        _warn_once(
+            "jax_state",
+            "keras_duq could not find the JAX trainer's `_jax_state_synced`; "
+            "after a rejected batch the model's variables may be unusable.",
+        )
 
 
 def batch_moments_supported() -> bool:
@@ -109,6 +127,10 @@ class MultiWorkerBuildMixin:
 
 
 def _is_multi_worker(strategy):
+    import keras
+
+    if strategy is None or keras.backend.backend() != "tensorflow":
+        return False
     import tensorflow as tf
 
     return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import importlib
+
 import keras
 from keras import ops
 
 from keras_duq import _compat
-from keras_duq import _export
 from keras_duq import _ops
-from keras_duq import _tensorflow_trainer
 from keras_duq._duq_output import DUQOutput
-from keras_duq._tensorflow_batch import is_float
 from keras_duq._validation import check_non_negative
+from keras_duq._validation import is_float
+
+# One training-step module per backend; only the one in use is imported, so
+# keras_duq imports without TensorFlow on the JAX backend.
+_TRAINERS = {"tensorflow": "keras_duq._tensorflow_trainer", "jax": "keras_duq._jax_trainer"}
 
 DEFAULT_GRADIENT_PENALTY = 0.1
 DEFAULT_WEIGHT_DECAY = 1e-4
@@ -156,6 +160,10 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
             else None
         )
         self._accuracy_tracker = keras.metrics.Mean(name="accuracy")
+        # On JAX, a jitted step reports a bad batch through this metric.
+        self._error_tracker = (
+            _trainer().ErrorCode() if keras.backend.backend() == "jax" else None
+        )
         self.built = True
 
     def call(self, inputs, training=None):
@@ -174,6 +182,7 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
                 self._bce_tracker,
                 self._penalty_tracker,
                 self._accuracy_tracker,
+                self._error_tracker,
             )
             if tracker is not None
         ]
@@ -184,33 +193,26 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
         ]
         return own + others
 
+    def get_metrics_result(self):
+        logs = super().get_metrics_result()
+        if self._error_tracker is not None:
+            logs.pop(self._error_tracker.name, None)
+        return logs
+
     # ---------------------------------------------------------------- steps
 
-    def train_step(self, data):
-        return _tensorflow_trainer.train_step(self, data)
+    def train_step(self, *args):
+        # TensorFlow: `(data)`; JAX's stateless trainer: `(state, data)`.
+        return _trainer().train_step(self, *args)
 
-    def test_step(self, data):
-        return _tensorflow_trainer.test_step(self, data)
-
-    # XLA drops `Assert` ops without a word, so a train or test function
-    # compiled whole by XLA would skip the batch checks and let a bad batch
-    # change the weights. With `jit_compile` on, the training step compiles
-    # its computation with XLA itself and keeps the checks and the state
-    # updates in the TensorFlow graph around it.
+    def test_step(self, *args):
+        return _trainer().test_step(self, *args)
 
     def make_train_function(self, force=False):
-        return self._make_function_without_outer_xla(super().make_train_function, force)
+        return _trainer().make_function(self, super().make_train_function, force)
 
     def make_test_function(self, force=False):
-        return self._make_function_without_outer_xla(super().make_test_function, force)
-
-    def _make_function_without_outer_xla(self, make_function, force):
-        jit_compile = self.jit_compile
-        self.jit_compile = False
-        try:
-            return make_function(force)
-        finally:
-            self.jit_compile = jit_compile
+        return _trainer().make_function(self, super().make_test_function, force)
 
     def _update_duq_metrics(
         self, x, y, sample_weight, log_kernel, penalty, objective, bce, labels_one_hot
@@ -288,6 +290,8 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
                 input_signature=input_signature,
                 **kwargs,
             )
+        from keras_duq import _export
+
         _export.export_saved_model(self, filepath, verbose, input_signature)
 
     # -------------------------------------------------------- serialization
@@ -317,6 +321,17 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
         )
         outputs = duq_output(feature_extractor.output)
         return cls(feature_extractor.input, outputs, **config)
+
+
+def _trainer():
+    backend = keras.backend.backend()
+    if backend not in _TRAINERS:
+        raise ValueError(
+            "keras_duq trains on the TensorFlow and JAX backends of Keras. Set "
+            "`KERAS_BACKEND=tensorflow` or `KERAS_BACKEND=jax` before importing "
+            f"Keras. Received: backend {backend!r}"
+        )
+    return importlib.import_module(_TRAINERS[backend])
 
 
 def _find_duq_output(inputs, outputs):

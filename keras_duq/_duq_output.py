@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import keras
-import tensorflow as tf
 from keras import ops
 
 from keras_duq import _ops
-from keras_duq._validation import NON_FINITE_TRAINING_MESSAGE
 from keras_duq._validation import check_int
 
 DEFAULT_KERNEL_INITIALIZER = "he_normal"
@@ -17,9 +15,6 @@ DEFAULT_KERNEL_INITIALIZER = "he_normal"
 # features and 10 classes; 5.2M with it). The paper's FashionMNIST model
 # (256 features) is unchanged by the cap.
 MAX_DEFAULT_CENTROID_DIMS = 256
-_CENTROID_MESSAGE = "DUQOutput: the centroid update is not finite: " + (
-    NON_FINITE_TRAINING_MESSAGE
-)
 
 
 @keras.saving.register_keras_serializable(package="keras_duq")
@@ -237,39 +232,42 @@ class DUQOutput(keras.layers.Layer):
     def update_centroids(self, features, labels_one_hot):
         """One moving-average step of the centroid state on a batch.
 
-        `DUQModel.train_step` calls this once per step; call it yourself only
-        in a custom training loop. Under a `tf.distribute` strategy the
+        `DUQModel`'s training step does this once per step; call it yourself
+        only in a custom training loop. Under a `tf.distribute` strategy the
         per-class counts and sums are summed over all replicas first, so the
         update uses the global batch and every replica keeps the same state.
+        On TensorFlow, an update that would not be finite raises instead of
+        changing the centroids.
 
         Args:
             features: `(batch, features)` backbone output, computed in
                 inference mode after the optimizer step.
             labels_one_hot: `(batch, num_classes)` one-hot labels.
         """
-        counts, sums = _ops.centroid_statistics(
+        counts, sums = self.batch_centroid_statistics(features, labels_one_hot)
+        if keras.backend.backend() == "tensorflow":
+            from keras_duq import _tensorflow_trainer
+
+            _tensorflow_trainer.assign_centroid_state(self, counts, sums)
+            return
+        new_counts, new_sums = self.next_centroid_state(
+            self.centroid_counts, self.centroid_sums, counts, sums
+        )
+        self.centroid_counts.assign(new_counts)
+        self.centroid_sums.assign(new_sums)
+
+    def batch_centroid_statistics(self, features, labels_one_hot):
+        """Per-class counts `(num_classes,)` and embedding sums of one batch."""
+        return _ops.centroid_statistics(
             self.embed(features), ops.cast(labels_one_hot, "float32")
         )
-        replica_context = tf.distribute.get_replica_context()
-        if (
-            replica_context is not None
-            and replica_context.num_replicas_in_sync > 1
-        ):
-            counts, sums = replica_context.all_reduce(
-                tf.distribute.ReduceOp.SUM, [counts, sums]
-            )
-        new_counts = _ops.moving_average(self.centroid_counts, counts, self.momentum)
-        new_sums = _ops.moving_average(self.centroid_sums, sums, self.momentum)
-        # Features that overflow (e.g. unnormalised inputs) must not turn the
-        # centroids into Inf/NaN for good: check before assigning.
-        finite = tf.logical_and(
-            tf.reduce_all(tf.math.is_finite(new_counts)),
-            tf.reduce_all(tf.math.is_finite(new_sums)),
+
+    def next_centroid_state(self, counts, sums, batch_counts, batch_sums):
+        """The state `(counts, sums)` after one moving-average step (no assignment)."""
+        return (
+            _ops.moving_average(counts, batch_counts, self.momentum),
+            _ops.moving_average(sums, batch_sums, self.momentum),
         )
-        check = tf.debugging.Assert(finite, [_CENTROID_MESSAGE])
-        with tf.control_dependencies([check]):
-            self.centroid_counts.assign(new_counts)
-            self.centroid_sums.assign(new_sums)
 
     def compute_output_shape(self, input_shape):
         return (input_shape[0], self.num_classes)

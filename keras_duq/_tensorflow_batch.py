@@ -11,6 +11,12 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from keras_duq._validation import FRACTIONAL_LABEL_MESSAGE
+from keras_duq._validation import NON_FINITE_INPUT_MESSAGE
+from keras_duq._validation import is_float
+from keras_duq._validation import label_range_message
+from keras_duq._validation import label_shape_message
+
 _LABEL_FORMATS = "(batch,) or (batch, 1) class indices, or one-hot (batch, {n})"
 
 
@@ -80,12 +86,7 @@ def labels_to_one_hot(y, num_classes):
     rank = y.shape.rank
     last = y.shape[-1] if rank else None
     if rank is not None and (rank not in (1, 2) or (rank == 2 and last not in (None, 1, num_classes))):
-        raise ValueError(
-            f"Expected labels of shape {formats} for this model with "
-            f"num_classes={num_classes}. Received: labels of shape "
-            f"{y.shape}. If the labels are one-hot for a different number "
-            "of classes, build the model with that `num_classes`."
-        )
+        raise ValueError(label_shape_message(num_classes, y.shape))
     if rank == 2 and last == num_classes:
         return tf.cast(y, "float32"), []
     if rank == 1 or (rank == 2 and last == 1):
@@ -129,28 +130,15 @@ def _class_indices(labels, num_classes):
             tf.debugging.assert_equal(
                 labels,
                 tf.floor(labels),
-                message=(
-                    "Labels must be whole class indices, but a fractional "
-                    "label (e.g. 0.5) was found. Pass integer class indices, "
-                    "or one-hot labels of shape (batch, num_classes)."
-                ),
+                message=FRACTIONAL_LABEL_MESSAGE,
                 summarize=5,
             )
         )
     indices = tf.cast(labels, "int64")
     checks += [
-        tf.debugging.assert_non_negative(
-            indices,
-            f"Labels must be class indices in [0, {num_classes}), "
-            "but a negative label was found.",
-        ),
+        tf.debugging.assert_non_negative(indices, label_range_message(num_classes)),
         tf.debugging.assert_less(
-            indices,
-            tf.constant(num_classes, "int64"),
-            f"Labels must be class indices in [0, {num_classes}) for this "
-            f"model with num_classes={num_classes}, but a label >= "
-            f"{num_classes} was found. Check the labels, or build the "
-            "model with the right `num_classes`.",
+            indices, tf.constant(num_classes, "int64"), label_range_message(num_classes)
         ),
     ]
     return indices, checks
@@ -158,17 +146,7 @@ def _class_indices(labels, num_classes):
 
 def _finite_input_checks(x):
     return [
-        tf.debugging.assert_all_finite(
-            t,
-            "DUQModel received an input batch containing NaN or Inf "
-            "values. Clean or impute the data before training "
-            "(e.g. `np.nan_to_num`); the gradient penalty and the "
-            "centroids cannot recover from a non-finite input.",
-        )
+        tf.debugging.assert_all_finite(t, NON_FINITE_INPUT_MESSAGE)
         for t in tf.nest.flatten(x)
         if is_float(t.dtype)
     ]
-
-
-def is_float(dtype):
-    return keras.backend.is_float_dtype(keras.backend.standardize_dtype(dtype))

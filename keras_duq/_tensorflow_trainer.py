@@ -27,14 +27,11 @@ from keras import ops
 
 from keras_duq import _moments
 from keras_duq import _ops
-from keras_duq._tensorflow_batch import is_float
+from keras_duq._validation import is_float
 from keras_duq._tensorflow_batch import validate_batch
-from keras_duq._validation import NON_FINITE_TRAINING_MESSAGE
+from keras_duq._validation import NON_FINITE_CENTROID_MESSAGE
+from keras_duq._validation import NON_FINITE_STEP_MESSAGE
 
-NON_FINITE_STEP_MESSAGE = (
-    "DUQModel: a training step produced a non-finite loss or gradient: "
-    + NON_FINITE_TRAINING_MESSAGE
-)
 
 
 def train_step(model, data):
@@ -53,10 +50,18 @@ def train_step(model, data):
         gradients = tape.gradient(scaled, weights)
         return gradients, log_kernel, penalty, objective, bce
 
+    # Layers update statistics in the forward pass (BatchNormalization's
+    # moving mean and variance), before the check can run: keep a copy, to
+    # put back if the step fails it.
+    layer_state = _layer_state(model)
+    saved = [tf.identity(variable) for variable in layer_state]
     gradients, log_kernel, penalty, objective, bce = _maybe_xla(
         model, gradients_and_losses
     )(x, labels_one_hot, sample_weight)
-    finite = _all_finite(gradients + [objective])
+    finite = _all_finite(
+        gradients + [objective] + [tf.identity(variable) for variable in layer_state]
+    )
+    restored = _restore_unless(finite, layer_state, saved)
     if isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer):
         # It skips such a step itself and lowers the loss scale.
         applied = finite
@@ -64,9 +69,9 @@ def train_step(model, data):
         applied = None
         # Every state change of the step (weights, optimizer slots,
         # centroids) depends on the check, so a failed check changes nothing.
-        with tf.control_dependencies(
-            [tf.debugging.Assert(finite, [NON_FINITE_STEP_MESSAGE])]
-        ):
+        with tf.control_dependencies([restored]):
+            check = tf.debugging.Assert(finite, [NON_FINITE_STEP_MESSAGE])
+        with tf.control_dependencies([check]):
             gradients = [None if g is None else tf.identity(g) for g in gradients]
             x, labels_one_hot = tf.nest.map_structure(
                 tf.identity, (x, labels_one_hot)
@@ -96,6 +101,22 @@ def test_step(model, data):
         x, y, sample_weight, log_kernel, penalty, objective, bce, labels_one_hot
     )
     return _logs(model)
+
+
+def make_function(model, make, force):
+    """Keras's train/test function, never compiled whole by XLA.
+
+    XLA drops `Assert` ops without a word, so a function compiled whole would
+    skip the batch checks and let a bad batch change the weights. With
+    `jit_compile` on, the step compiles its computation with XLA itself
+    (`_maybe_xla`) and keeps the checks and state updates around it.
+    """
+    jit_compile = model.jit_compile
+    model.jit_compile = False
+    try:
+        return make(force)
+    finally:
+        model.jit_compile = jit_compile
 
 
 def _objective(model, x, labels_one_hot, sample_weight, training):
@@ -164,6 +185,26 @@ def _update_centroids(model, x, labels_one_hot):
     model.duq_output.update_centroids(features, labels_one_hot)
 
 
+def assign_centroid_state(layer, counts, sums):
+    """All-reduces a batch's centroid statistics, checks the new state, assigns it."""
+    replica_context = tf.distribute.get_replica_context()
+    if replica_context is not None and replica_context.num_replicas_in_sync > 1:
+        counts, sums = replica_context.all_reduce(
+            tf.distribute.ReduceOp.SUM, [counts, sums]
+        )
+    new_counts, new_sums = layer.next_centroid_state(
+        layer.centroid_counts, layer.centroid_sums, counts, sums
+    )
+    # Features that overflow (e.g. unnormalised inputs) must not turn the
+    # centroids into Inf/NaN for good: check before assigning.
+    check = tf.debugging.Assert(
+        _all_finite([new_counts, new_sums]), [NON_FINITE_CENTROID_MESSAGE]
+    )
+    with tf.control_dependencies([check]):
+        layer.centroid_counts.assign(new_counts)
+        layer.centroid_sums.assign(new_sums)
+
+
 def _logs(model):
     logs = model.get_metrics_result()
     if _is_multi_worker(tf.distribute.get_strategy()):
@@ -183,6 +224,27 @@ def _maybe_xla(model, function):
         # No tensor-dependent Python control flow inside: no AutoGraph.
         return tf.function(function, jit_compile=True, autograph=False)
     return function
+
+
+def _layer_state(model):
+    """Non-trainable variables that layers assign in the forward pass."""
+    centroid_state = (model.duq_output.centroid_counts, model.duq_output.centroid_sums)
+    return [
+        variable
+        for variable in model.non_trainable_variables
+        if all(variable is not other for other in centroid_state)
+    ]
+
+
+def _restore_unless(condition, variables, saved):
+    """Assigns `saved` back to `variables` unless `condition`; returns a tensor."""
+
+    def restore():
+        for variable, value in zip(variables, saved):
+            variable.assign(value)
+        return tf.constant(False)
+
+    return tf.cond(condition, lambda: tf.constant(True), restore)
 
 
 def _all_finite(tensors):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import keras
+
 
 def check_int(name: str, value, minimum: int) -> None:
     """Raises a `ValueError` unless `value` is an int >= `minimum`."""
@@ -30,3 +32,45 @@ NON_FINITE_TRAINING_MESSAGE = (
     "gradients with the optimizer's `clipnorm`); a `length_scale` that is "
     "too small for the scale of the features (try a larger one)."
 )
+
+NON_FINITE_STEP_MESSAGE = (
+    "DUQModel: a training step produced a non-finite loss or gradient: "
+    + NON_FINITE_TRAINING_MESSAGE
+)
+NON_FINITE_CENTROID_MESSAGE = (
+    "DUQOutput: the centroid update is not finite: " + NON_FINITE_TRAINING_MESSAGE
+)
+NON_FINITE_INPUT_MESSAGE = (
+    "DUQModel received an input batch containing NaN or Inf values. Clean or "
+    "impute the data before training (e.g. `np.nan_to_num`); the gradient "
+    "penalty and the centroids cannot recover from a non-finite input."
+)
+FRACTIONAL_LABEL_MESSAGE = (
+    "Labels must be whole class indices, but a fractional label (e.g. 0.5) "
+    "was found. Pass integer class indices, or one-hot labels of shape "
+    "(batch, num_classes)."
+)
+
+
+def label_range_message(num_classes: int) -> str:
+    return (
+        f"Labels must be class indices in [0, {num_classes}) for this model "
+        f"with num_classes={num_classes}, but a label outside that range was "
+        "found. Check the labels, or build the model with the right "
+        "`num_classes`."
+    )
+
+
+def label_shape_message(num_classes: int, shape) -> str:
+    return (
+        "Expected labels of shape (batch,) or (batch, 1) class indices, or "
+        f"one-hot (batch, {num_classes}) for this model with "
+        f"num_classes={num_classes}. Received: labels of shape {shape}. If the "
+        "labels are one-hot for a different number of classes, build the "
+        "model with that `num_classes`."
+    )
+
+
+def is_float(dtype) -> bool:
+    """Whether `dtype` (any form Keras accepts) is a floating-point type."""
+    return keras.backend.is_float_dtype(keras.backend.standardize_dtype(dtype))

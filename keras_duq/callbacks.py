@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import math
 
+import sys
+
 import keras
 import numpy as np
-import tensorflow as tf
 
 from keras_duq._validation import check_int
 from keras_duq.evaluation import CERTAINTY_METHODS
@@ -141,7 +142,7 @@ class OODEvaluation(keras.callbacks.Callback):
 
     def _predict(self, data):
         """Scores `(n, classes)` and labels `(n,)` (or `None`) for `data`."""
-        if not isinstance(data, tf.data.Dataset):
+        if not _is_tf_dataset(data):
             x, y = data if isinstance(data, tuple) else (data, None)
             scores = self.model.predict(x, batch_size=self.batch_size, verbose=0)
             return scores, None if y is None else _as_labels(y)
@@ -166,7 +167,7 @@ class OODEvaluation(keras.callbacks.Callback):
 
 
 def _check_data(name, data):
-    if isinstance(data, tf.data.Dataset):
+    if _is_tf_dataset(data):
         return data
     if isinstance(data, tuple):
         if len(data) != 2:
@@ -195,3 +196,9 @@ def _as_labels(y):
     if y.ndim == 2 and y.shape[1] > 1:
         return y.argmax(axis=1)
     return y.reshape(-1)
+
+
+def _is_tf_dataset(data):
+    # Without TensorFlow loaded (the JAX backend) no tf.data dataset exists.
+    tf = sys.modules.get("tensorflow")
+    return tf is not None and isinstance(data, tf.data.Dataset)

@@ -13,7 +13,6 @@ import os
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 # Pixel mean and standard deviation of the FashionMNIST training images,
 # scaled to [0, 1] (the values of the paper's reference code; measured on the
@@ -214,7 +213,7 @@ def make_dataset(
     seed: int | None = None,
     repeat: bool = False,
     cache: bool = True,
-) -> tf.data.Dataset:
+) -> "tf.data.Dataset":
     """A batched `tf.data` pipeline over in-memory arrays.
 
     Cache, then shuffle (reshuffled every epoch), batch, optionally repeat,
@@ -273,6 +272,8 @@ def make_dataset(
             f"`x` and `y` must have the same length. Received: `x` of length "
             f"{len(x)} and `y` of length {len(y)}"
         )
+    import tensorflow as tf  # tf.data serves every backend's `fit`
+
     dataset = tf.data.Dataset.from_tensor_slices(x if y is None else (x, y))
     if cache:
         dataset = dataset.cache()

@@ -14,7 +14,7 @@ from keras_duq import _compat
 
 PACKAGE = Path(keras_duq.__file__).parent
 PRIVATE_KERAS = re.compile(
-    r"keras\.src|_keras_history|_jit_compile|_loss_tracker|_symbolic_build|_compute_moments"
+    r"keras\.src|_keras_history|_jit_compile|_loss_tracker|_symbolic_build|_compute_moments|_jax_state"
 )
 
 

@@ -915,3 +915,15 @@ def test_export_input_name_is_stable_and_export_is_quiet(tmp_path, capfd):
     np.testing.assert_array_equal(
         outputs["kernel_values"].numpy(), model.predict(x[:3], verbose=0)
     )
+
+
+def test_failed_step_keeps_batch_norm_statistics():
+    # Inputs near float32's range overflow BatchNormalization's variance
+    # while the loss can stay finite: the moving statistics must not change.
+    model = _compiled(batch_norm=True)
+    x, y = _data()
+    model.fit(x, y, epochs=1, verbose=0)
+    state = _state(model)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="non-finite"):
+        model.fit(x * 1e30, y, epochs=1, verbose=0)
+    _assert_state_equal(model, state)
