@@ -10,10 +10,9 @@ import subprocess
 import sys
 import textwrap
 
+import jax  # noqa: F401  (part of the tests extra: fail loudly without it)
 import numpy as np
 import pytest
-
-pytest.importorskip("jax")
 
 _PRELUDE = """
 import json, os, sys
