@@ -772,6 +772,7 @@ def make_evaluation_dataset(
     mean, std = normalization["mean"], normalization["std"]
     if subset:
         dataset = dataset.take(subset)
+
     def prepare(image, label):
         return normalize(image, mean, std), tf.cast(label, tf.int32)
 

@@ -42,7 +42,9 @@ class DUQOutput(keras.layers.Layer):
     - `e_c = m_c / N_c`
 
     The state starts at `N_c = 12` and `m_c = 12 * normal(0, 1)`, as in the
-    reference implementation.
+    reference implementation, or, with `bias_correction=True`, at a
+    negligible `N_c`, so that each centroid is the average of its class's
+    embeddings as soon as the class has been seen.
 
     **During training and inference** the layer computes the same thing;
     calling it never changes the centroids. Its computation always runs in

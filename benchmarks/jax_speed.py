@@ -1,0 +1,134 @@
+"""Training step time on Keras's JAX backend: softmax, DUQ and DUQ with the penalty.
+
+Times `model.fit` steps at batch 128 on random data, side by side in one
+run, for the paper's FashionMNIST CNN and (with `--resnet`) the CIFAR-10
+ResNet-18, in float32 and `mixed_bfloat16`. Made for the GPU machine (no
+TensorFlow there), and runs on a CPU too:
+
+    KERAS_BACKEND=jax python benchmarks/jax_speed.py --output jax_speed.json
+    KERAS_BACKEND=jax python benchmarks/jax_speed.py --resnet --steps 50
+
+A step time is the wall time of one `fit` call of `--steps` steps divided by
+the steps, after a compiling call; the median of `--repeats` calls. It
+includes Keras's per-step overhead, as a user's `fit` does. On GPUs, set
+`--matmul-precision highest` to keep JAX from using TF32 in float32 (for a
+like-for-like comparison with a PyTorch float32 run without TF32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
+import jax  # noqa: E402
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import keras_duq  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+KINDS = ("softmax", "duq", "duq_penalty")
+
+
+def _example(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def fashion_mnist_cnn():
+    return _example("fashion_mnist").build_backbone(), (28, 28, 1), 256
+
+
+def cifar_resnet18():
+    return _example("cifar10").build_resnet18(), (32, 32, 3), 512
+
+
+def build(kind, make_backbone):
+    backbone, shape, centroid_dims = make_backbone()
+    optimizer = keras.optimizers.SGD(0.05, momentum=0.9)
+    if kind == "softmax":
+        model = keras.Sequential([backbone, keras.layers.Dense(10, activation="softmax")])
+        model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy")
+    else:
+        model = keras_duq.wrap(
+            backbone, num_classes=10, centroid_dims=centroid_dims, length_scale=0.1,
+            gradient_penalty=0.5 if kind == "duq_penalty" else 0.0,
+        )
+        model.compile(optimizer=optimizer)
+    return model, shape
+
+
+def time_steps(model, shape, batch_size, steps, repeats):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(batch_size * steps,) + shape).astype("float32")
+    y = rng.integers(0, 10, size=batch_size * steps)
+    model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0)  # compile
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0)
+        for variable in model.trainable_variables[:1]:
+            jax.block_until_ready(variable.value)
+        times.append((time.perf_counter() - start) / steps * 1000.0)
+    return statistics.median(times), times
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--resnet", action="store_true", help="also the CIFAR ResNet-18")
+    parser.add_argument("--policies", nargs="+", default=["float32", "mixed_bfloat16"])
+    parser.add_argument("--matmul-precision", default=None, choices=(None, "highest", "default"))
+    parser.add_argument("--output", default=None)
+    args = parser.parse_args(argv)
+    if args.matmul_precision:
+        jax.config.update("jax_default_matmul_precision", args.matmul_precision)
+    networks = {"fashion_mnist_cnn": fashion_mnist_cnn}
+    if args.resnet:
+        networks["cifar_resnet18"] = cifar_resnet18
+    report = {
+        "backend": keras.backend.backend(),
+        "devices": [str(d) for d in jax.devices()],
+        "machine": platform.processor() or platform.machine(),
+        "jax": jax.__version__,
+        "keras": keras.__version__,
+        "batch_size": args.batch_size,
+        "steps": args.steps,
+        "matmul_precision": args.matmul_precision,
+        "ms_per_step": {},
+    }
+    for network, make_backbone in networks.items():
+        for policy in args.policies:
+            keras.mixed_precision.set_global_policy(policy)
+            row = {}
+            for kind in KINDS:
+                keras.utils.set_random_seed(0)
+                model, shape = build(kind, make_backbone)
+                median, times = time_steps(model, shape, args.batch_size, args.steps, args.repeats)
+                row[kind] = {"median": round(median, 3), "all": [round(t, 3) for t in times]}
+                print(f"{network} {policy} {kind}: {median:.2f} ms/step", flush=True)
+            row["penalty_over_softmax"] = round(
+                row["duq_penalty"]["median"] / row["softmax"]["median"], 3
+            )
+            report["ms_per_step"][f"{network}/{policy}"] = row
+            keras.mixed_precision.set_global_policy("float32")
+    text = json.dumps(report, indent=1)
+    if args.output:
+        Path(args.output).write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
