@@ -50,6 +50,13 @@ def fashion_mnist_cnn():
 
 
 def cifar_resnet18():
+    if importlib.util.find_spec("tensorflow") is None:
+        # examples/cifar10.py imports TensorFlow for its tf.data pipeline;
+        # its ResNet-18 is plain Keras. The GPU machine has no TensorFlow.
+        import sys
+        import types
+
+        sys.modules["tensorflow"] = types.ModuleType("tensorflow")
     return _example("cifar10").build_resnet18(), (32, 32, 3), 512
 
 
