@@ -16,7 +16,7 @@ behaviour degrades with one warning instead of failing.
    `strategy.reduce("MEAN", batch)`, which `MultiWorkerMirroredStrategy`
    rejects for any Keras model; the mixin overrides the private
    `Model._maybe_symbolic_build`. Degrades to: Keras's own build.
-3. `mark_jax_state_restored(model)`: Keras's JAX `fit` keeps the state
+3. `mark_state_restored(model)`: Keras's JAX `fit` keeps the state
    outside the variables between steps and, in a `finally`, writes back the
    last state it saw. When a step raises (a bad batch), keras_duq has already
    put the unchanged state into the variables, and the state Keras holds was
@@ -54,7 +54,7 @@ def _moments_module():
     return module if hasattr(module, _MOMENTS_NAME) else None
 
 
-def mark_jax_state_restored(model):
+def mark_state_restored(model):
     """Tells Keras's JAX trainer that the variables hold the current state."""
     if hasattr(model, "_jax_state_synced"):
         model._jax_state_synced = True

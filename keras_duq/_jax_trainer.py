@@ -168,7 +168,7 @@ def make_function(model, make, force):
             # The state is the one the failed step received: put it back
             # into the variables (Keras holds it outside them during `fit`).
             _assign_state(model, new_state, training=attribute == "train_function")
-            _compat.mark_jax_state_restored(model)
+            _compat.mark_state_restored(model)
             raise ValueError(error_message(code, model.num_classes))
         return logs, new_state
 
@@ -362,7 +362,12 @@ def _first_error(code, new_code):
 
 
 def _all_finite(tensors):
-    checks = [jnp.all(jnp.isfinite(t)) for t in tensors if t is not None]
+    # Integer state (e.g. a layer's random seed) is always finite.
+    checks = [
+        jnp.all(jnp.isfinite(t))
+        for t in tensors
+        if t is not None and jnp.issubdtype(jnp.asarray(t).dtype, jnp.inexact)
+    ]
     return jnp.all(jnp.stack(checks)) if checks else jnp.array(True)
 
 

@@ -254,7 +254,11 @@ def _all_finite(tensors):
             continue
         if isinstance(tensor, tf.IndexedSlices):
             tensor = tensor.values
+        if not tensor.dtype.is_floating:
+            continue  # integer state (e.g. a layer's random seed)
         checks.append(tf.reduce_all(tf.math.is_finite(tensor)))
+    if not checks:
+        return tf.constant(True)
     return tf.reduce_all(tf.stack(checks))
 
 
