@@ -214,6 +214,36 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
     def make_test_function(self, force=False):
         return _trainer().make_function(self, super().make_test_function, force)
 
+    def _objective(self, log_kernel, penalty, labels_one_hot, sample_weight, weights):
+        """`(objective, bce)`: the DUQ loss plus coupled weight decay on `weights`.
+
+        Both backends' steps call this: `weights` are the trainable variables
+        (TensorFlow) or their values (JAX's stateless step).
+        """
+        loss, bce = _ops.duq_loss(
+            log_kernel,
+            labels_one_hot,
+            penalty,
+            self.gradient_penalty,
+            sample_weight,
+            self.bce_epsilon,
+        )
+        return loss + _ops.coupled_weight_decay_loss(weights, self.weight_decay), bce
+
+    def _check_batch_structure(self, y):
+        """Errors that need no tensor values, raised while the step is traced."""
+        if self.loss is not None:
+            raise ValueError(
+                "DUQModel computes its own loss (binary cross-entropy on the "
+                "kernel values plus the gradient penalty). Remove `loss` from "
+                f"`compile()`. Received: `loss={self.loss!r}`"
+            )
+        if y is None:
+            raise ValueError(
+                "DUQModel needs labels to train and evaluate: pass `y` (or a "
+                "dataset of `(x, y)` pairs)."
+            )
+
     def _update_duq_metrics(
         self, x, y, sample_weight, log_kernel, penalty, objective, bce, labels_one_hot
     ):

@@ -83,15 +83,9 @@ def train_step(model, state, data):
         log_kernel, penalty, new_non_trainable = _forward(
             model, trainable, non_trainable, optimizer_variables, x, training=True
         )
-        loss, bce = _ops.duq_loss(
-            log_kernel,
-            labels_one_hot,
-            penalty,
-            model.gradient_penalty,
-            sample_weight,
-            model.bce_epsilon,
+        total, bce = model._objective(
+            log_kernel, penalty, labels_one_hot, sample_weight, trainable
         )
-        total = loss + _ops.coupled_weight_decay_loss(trainable, model.weight_decay)
         with keras.StatelessScope(
             state_mapping=list(zip(model.optimizer.variables, optimizer_variables))
         ):
@@ -139,11 +133,7 @@ def test_step(model, state, data):
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     x, labels_one_hot, sample_weight, code = _prepare_batch(model, x, y, sample_weight)
     log_kernel, penalty, _ = _forward(model, trainable, non_trainable, None, x, training=False)
-    loss, bce = _ops.duq_loss(
-        log_kernel, labels_one_hot, penalty, model.gradient_penalty,
-        sample_weight, model.bce_epsilon,
-    )
-    total = loss + _ops.coupled_weight_decay_loss(trainable, model.weight_decay)
+    total, bce = model._objective(log_kernel, penalty, labels_one_hot, sample_weight, trainable)
     new_metrics_variables, logs = _update_metrics(
         model, metrics_variables, x, y, sample_weight,
         log_kernel, penalty, total, bce, labels_one_hot, code,
@@ -292,17 +282,7 @@ def _previous_error(model, metrics_variables):
 
 def _prepare_batch(model, x, y, sample_weight):
     """Standardised inputs, one-hot labels, sample weights and an error code."""
-    if model.loss is not None:
-        raise ValueError(
-            "DUQModel computes its own loss (binary cross-entropy on the "
-            "kernel values plus the gradient penalty). Remove `loss` from "
-            f"`compile()`. Received: `loss={model.loss!r}`"
-        )
-    if y is None:
-        raise ValueError(
-            "DUQModel needs labels to train and evaluate: pass `y` (or a "
-            "dataset of `(x, y)` pairs)."
-        )
+    model._check_batch_structure(y)
 
     def cast(spec, value):
         value = jnp.asarray(value)

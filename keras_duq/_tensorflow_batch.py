@@ -22,12 +22,7 @@ _LABEL_FORMATS = "(batch,) or (batch, 1) class indices, or one-hot (batch, {n})"
 
 def validate_batch(model, x, y, sample_weight):
     """Returns `(x, labels_one_hot, sample_weight)`, all depending on the checks."""
-    if model.loss is not None:
-        raise ValueError(
-            "DUQModel computes its own loss (binary cross-entropy on the "
-            "kernel values plus the gradient penalty). Remove `loss` from "
-            f"`compile()`. Received: `loss={model.loss!r}`"
-        )
+    model._check_batch_structure(y)
     x = standardize_inputs(model.feature_extractor.input, x)
     if sample_weight is not None:
         sample_weight = tf.reshape(tf.cast(sample_weight, "float32"), (-1,))
@@ -71,11 +66,6 @@ def labels_to_one_hot(y, num_classes):
     between calls, so the format is decided from the static shape when it is
     known and at run time otherwise.
     """
-    if y is None:
-        raise ValueError(
-            "DUQModel needs labels to train and evaluate: pass `y` (or a "
-            "dataset of `(x, y)` pairs)."
-        )
     y = tf.convert_to_tensor(y)
     formats = _LABEL_FORMATS.format(n=num_classes)
     if y.dtype == tf.bool or not (y.dtype.is_integer or y.dtype.is_floating):

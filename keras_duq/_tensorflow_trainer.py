@@ -122,16 +122,8 @@ def make_function(model, make, force):
 def _objective(model, x, labels_one_hot, sample_weight, training):
     """Kernel values (log), penalty, full objective and its BCE part."""
     log_kernel, penalty = _log_kernel_and_penalty(model, x, training=training)
-    loss, bce = _ops.duq_loss(
-        log_kernel,
-        labels_one_hot,
-        penalty,
-        model.gradient_penalty,
-        sample_weight,
-        model.bce_epsilon,
-    )
-    objective = loss + _ops.coupled_weight_decay_loss(
-        model.trainable_weights, model.weight_decay
+    objective, bce = model._objective(
+        log_kernel, penalty, labels_one_hot, sample_weight, model.trainable_weights
     )
     return log_kernel, penalty, objective, bce
 
