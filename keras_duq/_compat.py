@@ -120,13 +120,14 @@ class MultiWorkerBuildMixin:
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         strategy = getattr(self, "distribute_strategy", None)
-        if iterator is not None and _is_multi_worker(strategy):
+        if iterator is not None and is_multi_worker(strategy):
             if _build_from_first_replica(self, iterator, strategy):
                 return None
         return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
 
 
-def _is_multi_worker(strategy):
+def is_multi_worker(strategy):
+    """Whether `strategy` is TensorFlow's `MultiWorkerMirroredStrategy`."""
     import keras
 
     if strategy is None or keras.backend.backend() != "tensorflow":

@@ -214,7 +214,7 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
     def make_test_function(self, force=False):
         return _trainer().make_function(self, super().make_test_function, force)
 
-    def _objective(self, log_kernel, penalty, labels_one_hot, sample_weight, weights):
+    def _total_loss(self, log_kernel, penalty, labels_one_hot, sample_weight, weights):
         """`(objective, bce)`: the DUQ loss plus coupled weight decay on `weights`.
 
         Both backends' steps call this: `weights` are the trainable variables

@@ -37,8 +37,10 @@ from keras_duq._validation import NON_FINITE_CENTROID_MESSAGE
 from keras_duq._validation import NON_FINITE_INPUT_MESSAGE
 from keras_duq._validation import NON_FINITE_STEP_MESSAGE
 from keras_duq._validation import is_float
+from keras_duq._validation import label_dtype_message
 from keras_duq._validation import label_range_message
 from keras_duq._validation import label_shape_message
+from keras_duq._validation import standardize_inputs
 
 # The log key (and metric name) that carries a step's error code.
 ERROR_LOG = "duq_error_code"
@@ -83,7 +85,7 @@ def train_step(model, state, data):
         log_kernel, penalty, new_non_trainable = _forward(
             model, trainable, non_trainable, optimizer_variables, x, training=True
         )
-        total, bce = model._objective(
+        total, bce = model._total_loss(
             log_kernel, penalty, labels_one_hot, sample_weight, trainable
         )
         with keras.StatelessScope(
@@ -133,7 +135,9 @@ def test_step(model, state, data):
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     x, labels_one_hot, sample_weight, code = _prepare_batch(model, x, y, sample_weight)
     log_kernel, penalty, _ = _forward(model, trainable, non_trainable, None, x, training=False)
-    total, bce = model._objective(log_kernel, penalty, labels_one_hot, sample_weight, trainable)
+    total, bce = model._total_loss(
+        log_kernel, penalty, labels_one_hot, sample_weight, trainable
+    )
     new_metrics_variables, logs = _update_metrics(
         model, metrics_variables, x, y, sample_weight,
         log_kernel, penalty, total, bce, labels_one_hot, code,
@@ -172,9 +176,7 @@ def make_function(model, make, force):
 
 def _forward(model, trainable, non_trainable, optimizer_variables, x, training):
     """`(log_kernel, penalty or None, new non-trainable values)`, statelessly."""
-    mapping = list(zip(model.trainable_variables, trainable)) + list(
-        zip(model.non_trainable_variables, non_trainable)
-    )
+    mapping = _variable_mapping(model, trainable, non_trainable)
     flat = keras.tree.flatten(x)
     float_positions = [i for i, t in enumerate(flat) if is_float(t.dtype)]
 
@@ -232,13 +234,11 @@ def _input_gradient_scale(model, optimizer_variables):
 def _update_centroids(model, trainable, non_trainable, x, labels_one_hot):
     """Non-trainable values with the centroid update, and whether it is finite."""
     layer = model.duq_output
-    mapping = list(zip(model.trainable_variables, trainable)) + list(
-        zip(model.non_trainable_variables, non_trainable)
-    )
+    mapping = _variable_mapping(model, trainable, non_trainable)
     with keras.StatelessScope(state_mapping=mapping):
         features = model.feature_extractor(x, training=False)
-        counts, sums = layer.batch_centroid_statistics(features, labels_one_hot)
-        new_counts, new_sums = layer.next_centroid_state(
+        counts, sums = layer._batch_centroid_statistics(features, labels_one_hot)
+        new_counts, new_sums = layer._next_centroid_state(
             layer.centroid_counts.value, layer.centroid_sums.value, counts, sums
         )
     updated = list(non_trainable)
@@ -283,17 +283,7 @@ def _previous_error(model, metrics_variables):
 def _prepare_batch(model, x, y, sample_weight):
     """Standardised inputs, one-hot labels, sample weights and an error code."""
     model._check_batch_structure(y)
-
-    def cast(spec, value):
-        value = jnp.asarray(value)
-        if is_float(spec.dtype) and value.dtype != spec.dtype:
-            return value.astype(spec.dtype)
-        return value
-
-    try:
-        x = keras.tree.map_structure(cast, model.feature_extractor.input, x)
-    except (ValueError, TypeError):
-        x = keras.tree.map_structure(jnp.asarray, x)
+    x = standardize_inputs(model.feature_extractor.input, x)
     if sample_weight is not None:
         sample_weight = jnp.reshape(jnp.asarray(sample_weight, "float32"), (-1,))
     labels_one_hot, code = _labels_to_one_hot(jnp.asarray(y), model.num_classes)
@@ -314,7 +304,7 @@ def _labels_to_one_hot(y, num_classes):
         whole = jnp.all(labels == jnp.floor(labels))
         code = jnp.where(whole, 0, _FRACTIONAL_LABEL)
     elif not jnp.issubdtype(labels.dtype, jnp.integer):
-        raise ValueError(label_shape_message(num_classes, tuple(y.shape)))
+        raise ValueError(label_dtype_message(num_classes, labels.dtype))
     in_range = jnp.all((labels >= 0) & (labels < num_classes))
     code = _first_error(code, jnp.where(in_range, 0, _LABEL_RANGE))
     indices = jnp.clip(labels, 0, num_classes - 1).astype("int32")
@@ -353,6 +343,13 @@ def _all_finite(tensors):
 
 def _select(condition, new, old):
     return [jnp.where(condition, n, o) for n, o in zip(new, old)]
+
+
+def _variable_mapping(model, trainable, non_trainable):
+    """`StatelessScope`'s mapping of the model's variables to these values."""
+    return list(zip(model.trainable_variables, trainable)) + list(
+        zip(model.non_trainable_variables, non_trainable)
+    )
 
 
 def _current(scope, variable, default):

@@ -14,11 +14,10 @@ import tensorflow as tf
 from keras_duq._validation import FRACTIONAL_LABEL_MESSAGE
 from keras_duq._validation import NON_FINITE_INPUT_MESSAGE
 from keras_duq._validation import is_float
+from keras_duq._validation import label_dtype_message
 from keras_duq._validation import label_range_message
 from keras_duq._validation import label_shape_message
-
-_LABEL_FORMATS = "(batch,) or (batch, 1) class indices, or one-hot (batch, {n})"
-
+from keras_duq._validation import standardize_inputs
 
 def validate_batch(model, x, y, sample_weight):
     """Returns `(x, labels_one_hot, sample_weight)`, all depending on the checks."""
@@ -37,27 +36,6 @@ def validate_batch(model, x, y, sample_weight):
         )
 
 
-def standardize_inputs(specs, x):
-    """Casts inputs declared floating point to their declared dtype.
-
-    Integer images (`uint8`) must become floats before the penalty's input
-    gradient is taken; integer inputs declared as such (token ids) stay.
-    """
-
-    def cast(spec, value):
-        value = tf.convert_to_tensor(value)
-        if is_float(spec.dtype) and value.dtype != spec.dtype:
-            return tf.cast(value, spec.dtype)
-        return value
-
-    try:
-        return keras.tree.map_structure(cast, specs, x)
-    except (ValueError, TypeError):
-        # A structure Keras accepts but that differs from the declared
-        # one (e.g. a list for a dict); the functional call maps it.
-        return tf.nest.map_structure(tf.convert_to_tensor, x)
-
-
 def labels_to_one_hot(y, num_classes):
     """One-hot float32 labels and the in-graph checks of their values.
 
@@ -67,26 +45,25 @@ def labels_to_one_hot(y, num_classes):
     known and at run time otherwise.
     """
     y = tf.convert_to_tensor(y)
-    formats = _LABEL_FORMATS.format(n=num_classes)
     if y.dtype == tf.bool or not (y.dtype.is_integer or y.dtype.is_floating):
-        raise ValueError(
-            f"Expected numeric labels: {formats}. Received: labels of dtype "
-            f"{y.dtype.name}."
-        )
+        raise ValueError(label_dtype_message(num_classes, y.dtype.name))
     rank = y.shape.rank
     last = y.shape[-1] if rank else None
-    if rank is not None and (rank not in (1, 2) or (rank == 2 and last not in (None, 1, num_classes))):
+    if rank is not None and (
+        rank not in (1, 2) or (rank == 2 and last not in (None, 1, num_classes))
+    ):
         raise ValueError(label_shape_message(num_classes, y.shape))
     if rank == 2 and last == num_classes:
         return tf.cast(y, "float32"), []
     if rank == 1 or (rank == 2 and last == 1):
         indices, checks = _class_indices(tf.reshape(y, (-1,)), num_classes)
         return tf.one_hot(indices, num_classes, dtype="float32"), checks
-    return _labels_of_unknown_format(y, num_classes, formats)
+    return _labels_of_unknown_format(y, num_classes)
 
 
-def _labels_of_unknown_format(y, num_classes, formats):
+def _labels_of_unknown_format(y, num_classes):
     rank = tf.rank(y)
+    # The size of the last axis, read as 1 for rank-1 labels.
     last = tf.shape(tf.reshape(y, (tf.shape(y)[0], -1)))[-1]
     is_one_hot = tf.logical_and(tf.equal(rank, 2), tf.equal(last, num_classes))
     is_indices = tf.logical_or(
@@ -94,11 +71,7 @@ def _labels_of_unknown_format(y, num_classes, formats):
     )
     shape_check = tf.debugging.Assert(
         tf.logical_or(is_one_hot, is_indices),
-        [
-            f"Expected labels of shape {formats} for this model with "
-            f"num_classes={num_classes}. Received: labels of shape",
-            tf.shape(y),
-        ],
+        [label_shape_message(num_classes, "(printed next)"), tf.shape(y)],
     )
     flat = tf.reshape(y, (-1,))
     # One-hot labels pass the index checks trivially: they only bind for indices.

@@ -8,9 +8,11 @@ One training step:
    `tf.GradientTape` takes the input gradient of `sum_c K_c`, whose norm is
    penalised (double backprop). The outer tape differentiates the objective:
    cross-entropy + `lambda` * penalty + coupled L2 weight decay.
-3. Guard: a step whose loss or gradients are not finite is never applied.
-   Under a `LossScaleOptimizer` it is skipped and the scale lowered (a normal
-   event in float16); otherwise training stops with an error naming causes.
+3. Guard: a step whose loss, gradients or layer statistics (BatchNorm's,
+   restored from a copy) are not finite is never applied. Under a
+   `LossScaleOptimizer` it is skipped and the scale lowered (a normal event
+   in float16); otherwise training stops with an error naming causes. The
+   centroid update is checked the same way before it is assigned.
 4. Optimizer step, then the centroid moving-average update from features
    recomputed in inference mode with the updated weights.
 
@@ -25,13 +27,13 @@ import keras
 import tensorflow as tf
 from keras import ops
 
+from keras_duq import _compat
 from keras_duq import _moments
 from keras_duq import _ops
-from keras_duq._validation import is_float
 from keras_duq._tensorflow_batch import validate_batch
 from keras_duq._validation import NON_FINITE_CENTROID_MESSAGE
 from keras_duq._validation import NON_FINITE_STEP_MESSAGE
-
+from keras_duq._validation import is_float
 
 
 def train_step(model, data):
@@ -122,7 +124,7 @@ def make_function(model, make, force):
 def _objective(model, x, labels_one_hot, sample_weight, training):
     """Kernel values (log), penalty, full objective and its BCE part."""
     log_kernel, penalty = _log_kernel_and_penalty(model, x, training=training)
-    objective, bce = model._objective(
+    objective, bce = model._total_loss(
         log_kernel, penalty, labels_one_hot, sample_weight, model.trainable_weights
     )
     return log_kernel, penalty, objective, bce
@@ -184,7 +186,7 @@ def assign_centroid_state(layer, counts, sums):
         counts, sums = replica_context.all_reduce(
             tf.distribute.ReduceOp.SUM, [counts, sums]
         )
-    new_counts, new_sums = layer.next_centroid_state(
+    new_counts, new_sums = layer._next_centroid_state(
         layer.centroid_counts, layer.centroid_sums, counts, sums
     )
     # Features that overflow (e.g. unnormalised inputs) must not turn the
@@ -199,16 +201,12 @@ def assign_centroid_state(layer, counts, sums):
 
 def _logs(model):
     logs = model.get_metrics_result()
-    if _is_multi_worker(tf.distribute.get_strategy()):
+    if _compat.is_multi_worker(tf.distribute.get_strategy()):
         # Keras reduces each log over workers with `reduce("MEAN", axis=0)`,
         # which needs a batch axis; metric results are scalars (and already
         # global: mean of equal values).
         logs = {name: ops.reshape(value, (1,)) for name, value in logs.items()}
     return logs
-
-
-def _is_multi_worker(strategy):
-    return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
 
 
 def _maybe_xla(model, function):

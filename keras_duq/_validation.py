@@ -61,14 +61,50 @@ def label_range_message(num_classes: int) -> str:
     )
 
 
+def _label_formats(num_classes: int) -> str:
+    return (
+        "(batch,) or (batch, 1) class indices, or one-hot "
+        f"(batch, {num_classes})"
+    )
+
+
 def label_shape_message(num_classes: int, shape) -> str:
     return (
-        "Expected labels of shape (batch,) or (batch, 1) class indices, or "
-        f"one-hot (batch, {num_classes}) for this model with "
-        f"num_classes={num_classes}. Received: labels of shape {shape}. If the "
-        "labels are one-hot for a different number of classes, build the "
-        "model with that `num_classes`."
+        f"Expected labels of shape {_label_formats(num_classes)} for this "
+        f"model with num_classes={num_classes}. Received: labels of shape "
+        f"{shape}. If the labels are one-hot for a different number of "
+        "classes, build the model with that `num_classes`."
     )
+
+
+def label_dtype_message(num_classes: int, dtype) -> str:
+    return (
+        f"Expected numeric labels: {_label_formats(num_classes)}. Received: "
+        f"labels of dtype {dtype}."
+    )
+
+
+def standardize_inputs(specs, x):
+    """Casts inputs declared floating point to their declared dtype.
+
+    Integer images (`uint8`) must become floats before the penalty's input
+    gradient is taken; integer inputs declared as such (token ids) stay.
+    """
+    from keras import ops
+
+    def cast(spec, value):
+        value = ops.convert_to_tensor(value)
+        dtype = keras.backend.standardize_dtype(value.dtype)
+        if is_float(spec.dtype) and dtype != spec.dtype:
+            return ops.cast(value, spec.dtype)
+        return value
+
+    try:
+        return keras.tree.map_structure(cast, specs, x)
+    except (ValueError, TypeError):
+        # A structure Keras accepts but that differs from the declared
+        # one (e.g. a list for a dict); the functional call maps it.
+        return keras.tree.map_structure(ops.convert_to_tensor, x)
 
 
 def is_float(dtype) -> bool:

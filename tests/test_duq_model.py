@@ -10,7 +10,7 @@ import tensorflow as tf
 
 import keras_duq
 from keras_duq import _ops
-from keras_duq import _tensorflow_batch
+from keras_duq import _validation
 from keras_duq import _tensorflow_trainer
 
 
@@ -339,7 +339,7 @@ def test_dict_inputs_and_uint8_images():
     history = model.fit(data, y, epochs=2, batch_size=8, verbose=0).history
     assert np.isfinite(history["gradient_penalty"]).all()
     # The penalty norm covers both inputs together.
-    prepared = _tensorflow_batch.standardize_inputs(model.feature_extractor.input, {k: tf.constant(v[:4]) for k, v in data.items()})
+    prepared = _validation.standardize_inputs(model.feature_extractor.input, {k: tf.constant(v[:4]) for k, v in data.items()})
     assert prepared["image"].dtype == tf.float32
 
 
