@@ -76,6 +76,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--gradient-penalty", type=float, default=0.05,
         help="DUQ's lambda (the paper's best on FashionMNIST).",
     )
+    parser.add_argument(
+        "--penalty-interval", type=int, default=1,
+        help="Compute the penalty on every Nth step only, weighted N times "
+        "(keras_duq.DUQModel's penalty_interval); 1 is the paper's exact penalty.",
+    )
     parser.add_argument("--length-scale", type=float, default=0.1)
     parser.add_argument(
         "--bias-correction", action=argparse.BooleanOptionalAction, default=False,
@@ -150,7 +155,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--verbose", type=int, default=2, choices=(0, 1, 2))
     args = parser.parse_args(argv)
-    for name in ("epochs", "batch_size", "ensemble_size"):
+    for name in ("epochs", "batch_size", "ensemble_size", "penalty_interval"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     for name in ("max_steps_per_epoch", "train_subset", "test_subset"):
@@ -254,6 +259,7 @@ def build_duq_model(args, steps_per_epoch: int) -> keras_duq.DUQModel:
             else args.kernel_initializer
         ),
         gradient_penalty=args.gradient_penalty,
+        penalty_interval=args.penalty_interval,
         weight_decay=WEIGHT_DECAY,
         bce_epsilon=args.bce_epsilon,
         bias_correction=args.bias_correction,

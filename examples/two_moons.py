@@ -63,7 +63,7 @@ def make_data(seed, num_train=1500, num_test=500, noise=0.1):
     )
 
 
-def build_model(gradient_penalty=DEFAULT_GRADIENT_PENALTY, bias_correction=False):
+def build_model(gradient_penalty=DEFAULT_GRADIENT_PENALTY, bias_correction=False, penalty_interval=1):
     """The paper's two-moons model: three dense layers of 20 units.
 
     As in the reference notebook, the third layer is linear: a ReLU right
@@ -90,6 +90,7 @@ def build_model(gradient_penalty=DEFAULT_GRADIENT_PENALTY, bias_correction=False
         # The reference notebook's W initialisation for this 20-unit model.
         kernel_initializer=keras.initializers.RandomNormal(stddev=1.0),
         gradient_penalty=gradient_penalty,
+        penalty_interval=penalty_interval,
         weight_decay=1e-4,
         bias_correction=bias_correction,
     )
@@ -104,6 +105,7 @@ def run(
     output_dir=None,
     verbose=0,
     bias_correction=False,
+    penalty_interval=1,
 ):
     """Trains one model; returns its metrics (and writes the map if asked)."""
     # A fresh Keras state per run, so a seed gives the same model whether it
@@ -111,7 +113,7 @@ def run(
     keras.backend.clear_session()
     keras.utils.set_random_seed(seed)
     (x_train, y_train), (x_test, y_test), x_far = make_data(seed)
-    model = build_model(gradient_penalty, bias_correction)
+    model = build_model(gradient_penalty, bias_correction, penalty_interval)
     start = time.perf_counter()
     model.fit(x_train, y_train, batch_size=64, epochs=epochs, verbose=verbose)
     train_seconds = time.perf_counter() - start
@@ -124,6 +126,7 @@ def run(
     results = {
         "seed": seed,
         "gradient_penalty": gradient_penalty,
+        "penalty_interval": penalty_interval,
         "epochs": epochs,
         "test_accuracy": float((test_kernels.argmax(axis=1) == y_test).mean()),
         "test_certainty_mean": float(test_certainty.mean()),
@@ -150,6 +153,10 @@ def main(argv=None):
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--gradient-penalty", type=float, default=DEFAULT_GRADIENT_PENALTY)
     parser.add_argument("--bias-correction", action="store_true")
+    parser.add_argument(
+        "--penalty-interval", type=int, default=1,
+        help="Penalty on every Nth step only, weighted N times; 1: every step.",
+    )
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--output-dir", default="outputs/two_moons")
     parser.add_argument("--verbose", type=int, default=0)
@@ -158,7 +165,7 @@ def main(argv=None):
     for seed in args.seeds:
         results = run(
             seed, args.gradient_penalty, args.epochs, args.output_dir, args.verbose,
-            args.bias_correction,
+            args.bias_correction, args.penalty_interval,
         )
         all_results.append(results)
         print(
@@ -175,7 +182,8 @@ def main(argv=None):
         "mean far certainty <= 0.05, AUROC test vs far >= 0.99)"
     )
     os.makedirs(args.output_dir, exist_ok=True)
-    path = os.path.join(args.output_dir, f"results_gp{args.gradient_penalty:g}.json")
+    interval = f"_every{args.penalty_interval}" if args.penalty_interval > 1 else ""
+    path = os.path.join(args.output_dir, f"results_gp{args.gradient_penalty:g}{interval}.json")
     with open(path, "w") as f:
         json.dump(all_results, f, indent=2)
     print(f"wrote {path}")

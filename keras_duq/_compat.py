@@ -22,6 +22,13 @@ behaviour degrades with one warning instead of failing.
    put the unchanged state into the variables, and the state Keras holds was
    donated to the failed step; the flag tells Keras not to write it back.
    Degrades to: an error about deleted arrays after the clear one.
+4. `array_dataset(...)`: Keras's own `tf.data` pipeline for in-memory arrays
+   (`ArrayDataAdapter`, which shuffles indices and gathers batches), and
+   `split_validation(...)`, the split behind `fit(validation_split=...)`, so
+   that keras_duq can feed `fit` the same batches with `tf.data`'s
+   autotuning off (see `_tensorflow_trainer.quiet_array_inputs`). Degrades
+   to: Keras's own pipeline, whose whole `fit` can take up to twice its
+   steps' time.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ import warnings
 
 _MOMENTS_MODULE = "keras.src.backend.tensorflow.nn"
 _MOMENTS_NAME = "_compute_moments"
+_ARRAY_ADAPTER_MODULE = "keras.src.trainers.data_adapters.array_data_adapter"
+_ARRAY_SLICING_MODULE = "keras.src.trainers.data_adapters.array_slicing"
 
 _lock = threading.Lock()
 _depth = 0
@@ -46,12 +55,75 @@ def _warn_once(key, message):
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-def _moments_module():
+def _private_module(name, *attributes):
+    """The module `name` if it imports and has every attribute, else None."""
     try:
-        module = importlib.import_module(_MOMENTS_MODULE)
+        module = importlib.import_module(name)
     except ImportError:
         return None
-    return module if hasattr(module, _MOMENTS_NAME) else None
+    return module if all(hasattr(module, a) for a in attributes) else None
+
+
+def _moments_module():
+    return _private_module(_MOMENTS_MODULE, _MOMENTS_NAME)
+
+
+def _array_modules():
+    adapter = _private_module(_ARRAY_ADAPTER_MODULE, "ArrayDataAdapter", "can_convert_arrays")
+    slicing = _private_module(_ARRAY_SLICING_MODULE, "train_validation_split")
+    if adapter is None or slicing is None:
+        _warn_once(
+            "arrays",
+            "keras_duq could not find Keras's data adapter for in-memory "
+            f"arrays (`{_ARRAY_ADAPTER_MODULE}`), so `fit` with NumPy arrays "
+            "uses Keras's own pipeline, which can wait for tf.data's "
+            "autotuning after the last step. Pass "
+            "`keras_duq.datasets.make_dataset(x, y, shuffle=True)` instead "
+            "when training time matters.",
+        )
+        return None
+    return adapter, slicing
+
+
+def is_array_data(x, y=None, sample_weight=None):
+    """Whether Keras would feed `(x, y, sample_weight)` as in-memory arrays."""
+    modules = _array_modules() if x is not None else None
+    return modules is not None and modules[0].can_convert_arrays((x, y, sample_weight))
+
+
+def array_dataset(x, y=None, sample_weight=None, batch_size=None, steps=None,
+                  shuffle=False, class_weight=None):
+    """Keras's `tf.data` pipeline for arrays, its batch count declared, autotuning off.
+
+    Only call it where `is_array_data(x, y, sample_weight)` is true. The
+    arguments mean what they mean in `fit`; class weights become sample
+    weights here, as Keras does for arrays.
+    """
+    import tensorflow as tf
+
+    adapter_module, _ = _array_modules()
+    adapter = adapter_module.ArrayDataAdapter(
+        x,
+        y,
+        sample_weight=sample_weight,
+        batch_size=batch_size,
+        steps=steps,
+        shuffle=shuffle,
+        class_weight=class_weight,
+    )
+    dataset = adapter.get_tf_dataset()
+    # Keras's pipeline hides its length from tf.data (`flat_map`); declared,
+    # `fit` shows the epoch's step count from the first epoch on.
+    dataset = dataset.apply(tf.data.experimental.assert_cardinality(adapter.num_batches))
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    return dataset.with_options(options)
+
+
+def split_validation(arrays, validation_split):
+    """`fit(validation_split=...)`'s split of `arrays`: `(train, validation)`."""
+    _, slicing = _array_modules()
+    return slicing.train_validation_split(arrays, validation_split=validation_split)
 
 
 def mark_state_restored(model):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 
 import keras
 from keras import ops
@@ -11,6 +12,7 @@ from keras_duq import _compat
 from keras_duq import _ops
 from keras_duq._duq_output import DUQOutput
 from keras_duq._validation import check_non_negative
+from keras_duq._validation import check_positive_int
 from keras_duq._validation import is_float
 
 # One training-step module per backend; only the one in use is imported, so
@@ -101,6 +103,15 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
             misclassification AUROC of the certainty.
         penalty: `"two_sided"` (default, `(||g|| - 1)^2`) or `"one_sided"`
             (`max(0, ||g|| - 1)^2`).
+        penalty_interval: int >= 1. Compute the penalty only on every
+            `penalty_interval`-th training step (the optimizer's steps 0, k,
+            2k, ...), weighted there by `gradient_penalty * penalty_interval`
+            so that it weighs as much per step on average ("lazy
+            regularization", as StyleGAN2 applies its R1 penalty). The other
+            steps cost what a step without the penalty costs. `evaluate`
+            always computes the penalty. Defaults to `1`, the paper's exact
+            penalty on every step; docs/performance.md measures larger
+            values.
         weight_decay: float >= 0, coupled L2 weight decay on every trainable
             weight, as in the paper: each gradient gets `+ weight_decay * w`
             (the loss gets `weight_decay / 2 * sum ||w||^2`). This is
@@ -122,6 +133,7 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
         outputs,
         gradient_penalty: float = DEFAULT_GRADIENT_PENALTY,
         penalty: str = "two_sided",
+        penalty_interval: int = 1,
         weight_decay: float = DEFAULT_WEIGHT_DECAY,
         bce_epsilon: float = 0.0,
         **kwargs,
@@ -129,6 +141,7 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
         check_non_negative("gradient_penalty", gradient_penalty)
         check_non_negative("weight_decay", weight_decay)
         check_non_negative("bce_epsilon", bce_epsilon)
+        check_positive_int("penalty_interval", penalty_interval)
         _ops.validate_penalty(penalty)
         duq_output = _find_duq_output(inputs, outputs)
         feature_extractor = keras.Model(
@@ -149,6 +162,7 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
         self.duq_output = duq_output
         self.gradient_penalty = float(gradient_penalty)
         self.penalty = penalty
+        self.penalty_interval = penalty_interval
         self.weight_decay = float(weight_decay)
         self.bce_epsilon = float(bce_epsilon)
         self.num_classes = duq_output.num_classes
@@ -214,17 +228,43 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
     def make_test_function(self, force=False):
         return _trainer().make_function(self, super().make_test_function, force)
 
-    def _total_loss(self, log_kernel, penalty, labels_one_hot, sample_weight, weights):
+    # On TensorFlow, in-memory arrays reach Keras as the same batches in a
+    # pipeline without tf.data's autotuning (`quiet_array_inputs`).
+
+    def fit(self, *args, **kwargs):
+        args, kwargs = _arguments_for(super().fit, "fit", args, kwargs)
+        return super().fit(*args, **kwargs)
+
+    def evaluate(self, *args, **kwargs):
+        args, kwargs = _arguments_for(super().evaluate, "evaluate", args, kwargs)
+        return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        args, kwargs = _arguments_for(super().predict, "predict", args, kwargs)
+        return super().predict(*args, **kwargs)
+
+    @property
+    def _lazy_penalty(self):
+        """Whether training computes the penalty on some steps only."""
+        return self.gradient_penalty > 0 and self.penalty_interval > 1
+
+    def _total_loss(
+        self, log_kernel, penalty, labels_one_hot, sample_weight, weights, training=False
+    ):
         """`(objective, bce)`: the DUQ loss plus coupled weight decay on `weights`.
 
         Both backends' steps call this: `weights` are the trainable variables
-        (TensorFlow) or their values (JAX's stateless step).
+        (TensorFlow) or their values (JAX's stateless step). A training step
+        that computed the penalty weighs it by `penalty_interval` too.
         """
+        penalty_weight = self.gradient_penalty
+        if training:
+            penalty_weight *= self.penalty_interval
         loss, bce = _ops.duq_loss(
             log_kernel,
             labels_one_hot,
             penalty,
-            self.gradient_penalty,
+            penalty_weight,
             sample_weight,
             self.bce_epsilon,
         )
@@ -245,15 +285,18 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
             )
 
     def _update_duq_metrics(
-        self, x, y, sample_weight, log_kernel, penalty, objective, bce, labels_one_hot
+        self, x, y, sample_weight, log_kernel, penalty, objective, bce, labels_one_hot,
+        penalised=None,
     ):
-        batch_size = ops.shape(log_kernel)[0]
+        """Updates the trackers; `penalised` (bool tensor): whether `penalty` was computed."""
+        batch_size = ops.cast(ops.shape(log_kernel)[0], "float32")
         self._objective_tracker.update_state(objective, sample_weight=batch_size)
         self._bce_tracker.update_state(bce, sample_weight=batch_size)
         if penalty is not None:
-            self._penalty_tracker.update_state(
-                ops.mean(penalty), sample_weight=batch_size
-            )
+            # A lazy penalty's `gradient_penalty` log: the mean over the
+            # steps that computed it.
+            weight = batch_size if penalised is None else batch_size * ops.cast(penalised, "float32")
+            self._penalty_tracker.update_state(ops.mean(penalty), sample_weight=weight)
         correct = ops.cast(
             ops.equal(
                 ops.argmax(log_kernel, axis=-1), ops.argmax(labels_one_hot, axis=-1)
@@ -336,6 +379,7 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
             "duq_output": keras.saving.serialize_keras_object(self.duq_output),
             "gradient_penalty": self.gradient_penalty,
             "penalty": self.penalty,
+            "penalty_interval": self.penalty_interval,
             "weight_decay": self.weight_decay,
             "bce_epsilon": self.bce_epsilon,
         }
@@ -362,6 +406,22 @@ def _trainer():
             f"Keras. Received: backend {backend!r}"
         )
     return importlib.import_module(_TRAINERS[backend])
+
+
+def _arguments_for(method, name, args, kwargs):
+    """`args` and `kwargs` of the Keras `method` by name; on TensorFlow, arrays made quiet."""
+    if keras.backend.backend() != "tensorflow":
+        return args, kwargs
+    signature = inspect.signature(method)
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    arguments = {}
+    for parameter, value in bound.arguments.items():
+        if signature.parameters[parameter].kind is inspect.Parameter.VAR_KEYWORD:
+            arguments.update(value)
+        else:
+            arguments[parameter] = value
+    return (), _trainer().quiet_array_inputs(name, arguments)
 
 
 def _find_duq_output(inputs, outputs):

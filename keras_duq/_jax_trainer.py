@@ -81,22 +81,43 @@ def train_step(model, state, data):
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     x, labels_one_hot, sample_weight, code = _prepare_batch(model, x, y, sample_weight)
 
-    def objective(trainable):
-        log_kernel, penalty, new_non_trainable = _forward(
-            model, trainable, non_trainable, optimizer_variables, x, training=True
-        )
-        total, bce = model._total_loss(
-            log_kernel, penalty, labels_one_hot, sample_weight, trainable
-        )
-        with keras.StatelessScope(
-            state_mapping=list(zip(model.optimizer.variables, optimizer_variables))
-        ):
-            scaled = model.optimizer.scale_loss(total)
-        return scaled, (total, bce, log_kernel, penalty, new_non_trainable)
+    def gradients_and_losses(trainable, with_penalty=True):
+        def objective(trainable):
+            log_kernel, penalty, new_non_trainable = _forward(
+                model, trainable, non_trainable, optimizer_variables, x,
+                training=True, with_penalty=with_penalty,
+            )
+            total, bce = model._total_loss(
+                log_kernel, penalty, labels_one_hot, sample_weight, trainable,
+                training=True,
+            )
+            if penalty is None and model._lazy_penalty:
+                # `lax.cond`'s branches return the same structure.
+                penalty = jnp.zeros(log_kernel.shape[:1], "float32")
+            with keras.StatelessScope(
+                state_mapping=list(zip(model.optimizer.variables, optimizer_variables))
+            ):
+                scaled = model.optimizer.scale_loss(total)
+            return scaled, (total, bce, log_kernel, penalty, new_non_trainable)
 
-    gradients, (total, bce, log_kernel, penalty, new_non_trainable) = jax.grad(
-        objective, has_aux=True
-    )(trainable)
+        return jax.grad(objective, has_aux=True)(trainable)
+
+    penalised = None
+    if model._lazy_penalty:
+        iterations = optimizer_variables[
+            _index(model.optimizer.variables, model.optimizer.iterations)
+        ]
+        penalised = iterations % model.penalty_interval == 0
+        gradients, (total, bce, log_kernel, penalty, new_non_trainable) = jax.lax.cond(
+            penalised,
+            lambda trainable: gradients_and_losses(trainable, True),
+            lambda trainable: gradients_and_losses(trainable, False),
+            trainable,
+        )
+    else:
+        gradients, (total, bce, log_kernel, penalty, new_non_trainable) = (
+            gradients_and_losses(trainable)
+        )
     new_trainable, new_optimizer_variables = model.optimizer.stateless_apply(
         optimizer_variables, gradients, trainable
     )
@@ -118,7 +139,7 @@ def train_step(model, state, data):
     commit = ok & applied
     new_metrics_variables, logs = _update_metrics(
         model, metrics_variables, x, y, sample_weight,
-        log_kernel, penalty, total, bce, labels_one_hot, code,
+        log_kernel, penalty, total, bce, labels_one_hot, code, penalised,
     )
     state = (
         _select(ok, new_trainable, trainable),
@@ -174,7 +195,8 @@ def make_function(model, make, force):
 # ------------------------------------------------------------------ pieces
 
 
-def _forward(model, trainable, non_trainable, optimizer_variables, x, training):
+def _forward(model, trainable, non_trainable, optimizer_variables, x, training,
+             with_penalty=True):
     """`(log_kernel, penalty or None, new non-trainable values)`, statelessly."""
     mapping = _variable_mapping(model, trainable, non_trainable)
     flat = keras.tree.flatten(x)
@@ -195,7 +217,7 @@ def _forward(model, trainable, non_trainable, optimizer_variables, x, training):
         return log_kernel, new_non_trainable
 
     float_inputs = [flat[i] for i in float_positions]
-    if model.gradient_penalty == 0:
+    if model.gradient_penalty == 0 or not with_penalty:
         log_kernel, new_non_trainable = log_kernel_values(float_inputs)
         return log_kernel, None, new_non_trainable
 
@@ -249,12 +271,13 @@ def _update_centroids(model, trainable, non_trainable, x, labels_one_hot):
 
 def _update_metrics(
     model, metrics_variables, x, y, sample_weight,
-    log_kernel, penalty, total, bce, labels_one_hot, code,
+    log_kernel, penalty, total, bce, labels_one_hot, code, penalised=None,
 ):
     mapping = list(zip(model.metrics_variables, metrics_variables))
     with keras.StatelessScope(state_mapping=mapping) as scope:
         model._update_duq_metrics(
-            x, y, sample_weight, log_kernel, penalty, total, bce, labels_one_hot
+            x, y, sample_weight, log_kernel, penalty, total, bce, labels_one_hot,
+            penalised,
         )
         model._error_tracker.update_state(code)
         logs = model.get_metrics_result()

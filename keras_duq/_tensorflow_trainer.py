@@ -41,10 +41,11 @@ def train_step(model, data):
     x, labels_one_hot, sample_weight = validate_batch(model, x, y, sample_weight)
     weights = model.trainable_weights
 
-    def gradients_and_losses(x, labels_one_hot, sample_weight):
+    def gradients_and_losses(x, labels_one_hot, sample_weight, with_penalty=True):
         with tf.GradientTape() as tape:
             log_kernel, penalty, objective, bce = _objective(
-                model, x, labels_one_hot, sample_weight, training=True
+                model, x, labels_one_hot, sample_weight, training=True,
+                with_penalty=with_penalty,
             )
             # Replicas' gradients are summed: divide by their number.
             scaled = objective / tf.distribute.get_strategy().num_replicas_in_sync
@@ -57,9 +58,16 @@ def train_step(model, data):
     # put back if the step fails it.
     layer_state = _layer_state(model)
     saved = [tf.identity(variable) for variable in layer_state]
-    gradients, log_kernel, penalty, objective, bce = _maybe_xla(
-        model, gradients_and_losses
-    )(x, labels_one_hot, sample_weight)
+    penalised = None
+    if model._lazy_penalty:
+        penalised = tf.equal(model.optimizer.iterations % model.penalty_interval, 0)
+        gradients, log_kernel, penalty, objective, bce = _lazy(
+            model, gradients_and_losses, penalised, weights
+        )(x, labels_one_hot, sample_weight)
+    else:
+        gradients, log_kernel, penalty, objective, bce = _maybe_xla(
+            model, gradients_and_losses
+        )(x, labels_one_hot, sample_weight)
     finite = _all_finite(
         gradients + [objective] + [tf.identity(variable) for variable in layer_state]
     )
@@ -84,7 +92,8 @@ def train_step(model, data):
     _run_if(
         applied,
         lambda: model._update_duq_metrics(
-            x, y, sample_weight, log_kernel, penalty, objective, bce, labels_one_hot
+            x, y, sample_weight, log_kernel, penalty, objective, bce, labels_one_hot,
+            penalised,
         ),
     )
     return _logs(model)
@@ -121,18 +130,124 @@ def make_function(model, make, force):
         model.jit_compile = jit_compile
 
 
-def _objective(model, x, labels_one_hot, sample_weight, training):
+def quiet_array_inputs(method, arguments):
+    """`fit`/`evaluate`/`predict` arguments, in-memory arrays fed without autotuning.
+
+    Keras feeds arrays through a `tf.data` pipeline with autotuning on, and
+    dropping such an iterator before its end, as `fit` does after each
+    epoch's last step, sometimes waits for the autotuning thread's next
+    wake-up: up to a minute. Measured, a whole `fit` took 1.9-2.0x the sum of
+    its steps (docs/performance.md). The same pipeline with autotuning off
+    gives the same batches without the wait. `arguments` maps every parameter
+    name of the Keras method to its value; datasets, generators and other
+    inputs pass through unchanged.
+    """
+    arguments = dict(arguments)
+    x, y, weights = (arguments.get(k) for k in ("x", "y", "sample_weight"))
+    if not _compat.is_array_data(x, y, weights):
+        return arguments
+    if method == "predict":
+        arguments["x"] = _compat.array_dataset(
+            x, batch_size=arguments["batch_size"], steps=arguments["steps"]
+        )
+        arguments["batch_size"] = None
+        return arguments
+    if method == "evaluate":
+        arguments["x"] = _compat.array_dataset(
+            x, y, weights, batch_size=arguments["batch_size"], steps=arguments["steps"]
+        )
+        arguments.update(y=None, sample_weight=None, batch_size=None)
+        return arguments
+    if arguments["validation_split"] and arguments["validation_data"] is None:
+        (x, y, weights), validation = _compat.split_validation(
+            (x, y, weights), arguments["validation_split"]
+        )
+        arguments.update(validation_data=validation, validation_split=0.0)
+    validation = arguments["validation_data"]
+    if validation is not None:
+        val_x, val_y, val_weights = keras.utils.unpack_x_y_sample_weight(validation)
+        if _compat.is_array_data(val_x, val_y, val_weights):
+            arguments["validation_data"] = _compat.array_dataset(
+                val_x,
+                val_y,
+                val_weights,
+                batch_size=arguments["validation_batch_size"] or arguments["batch_size"],
+                steps=arguments["validation_steps"],
+            )
+            arguments["validation_batch_size"] = None
+    arguments["x"] = _compat.array_dataset(
+        x,
+        y,
+        weights,
+        batch_size=arguments["batch_size"],
+        steps=arguments["steps_per_epoch"],
+        shuffle=arguments["shuffle"],
+        class_weight=arguments["class_weight"],
+    )
+    arguments.update(
+        y=None, sample_weight=None, class_weight=None, batch_size=None, shuffle=False
+    )
+    return arguments
+
+
+def _objective(model, x, labels_one_hot, sample_weight, training, with_penalty=True):
     """Kernel values (log), penalty, full objective and its BCE part."""
-    log_kernel, penalty = _log_kernel_and_penalty(model, x, training=training)
+    log_kernel, penalty = _log_kernel_and_penalty(
+        model, x, training=training, with_penalty=with_penalty
+    )
     objective, bce = model._total_loss(
-        log_kernel, penalty, labels_one_hot, sample_weight, model.trainable_weights
+        log_kernel, penalty, labels_one_hot, sample_weight, model.trainable_weights,
+        training=training,
     )
     return log_kernel, penalty, objective, bce
 
 
-def _log_kernel_and_penalty(model, x, training):
+def _lazy(model, gradients_and_losses, penalised, weights):
+    """`gradients_and_losses` with the penalty only where `penalised` is true.
+
+    Both branches of the `tf.cond` must return the same structure: a missing
+    gradient or penalty becomes zeros inside, and a gradient missing in both
+    branches is `None` again outside (the optimizer skips those weights).
+    """
+    missing = []
+
+    def branch(with_penalty):
+        def run(x, labels_one_hot, sample_weight):
+            gradients, log_kernel, penalty, objective, bce = gradients_and_losses(
+                x, labels_one_hot, sample_weight, with_penalty
+            )
+            missing.append([g is None for g in gradients])
+            gradients = [
+                tf.zeros_like(w) if g is None else tf.convert_to_tensor(g)
+                for g, w in zip(gradients, weights)
+            ]
+            if penalty is None:
+                penalty = tf.zeros(tf.shape(log_kernel)[:1], dtype=objective.dtype)
+            return gradients, log_kernel, penalty, objective, bce
+
+        return _maybe_xla(model, run)
+
+    def step(x, labels_one_hot, sample_weight):
+        return tf.cond(
+            penalised,
+            lambda: branch(True)(x, labels_one_hot, sample_weight),
+            lambda: branch(False)(x, labels_one_hot, sample_weight),
+        )
+
+    def run(x, labels_one_hot, sample_weight):
+        gradients, *rest = step(x, labels_one_hot, sample_weight)
+        gradients = [
+            None if all(branch_missing[i] for branch_missing in missing) else g
+            for i, g in enumerate(gradients)
+        ]
+        return (gradients, *rest)
+
+    return run
+
+
+def _log_kernel_and_penalty(model, x, training, with_penalty=True):
     """Forward pass; with the penalty on, also the per-example penalty."""
-    if model.gradient_penalty == 0:
+    if model.gradient_penalty == 0 or not with_penalty:
         features = model.feature_extractor(x, training=training)
         return model.duq_output.log_kernel_values(features), None
     float_inputs = [t for t in tf.nest.flatten(x) if is_float(t.dtype)]

@@ -22,6 +22,14 @@ def check_non_negative(name: str, value) -> None:
         )
 
 
+def check_positive_int(name: str, value) -> None:
+    """Raises a `ValueError` unless `value` is an integer >= 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"Expected `{name}` to be an integer >= 1. Received: `{name}={value!r}`"
+        )
+
+
 # Shared by every guard against non-finite training state.
 NON_FINITE_TRAINING_MESSAGE = (
     "a non-finite value (NaN or Inf) appeared in training, so this update "

@@ -21,6 +21,7 @@ def wrap(
     kernel_initializer=DEFAULT_KERNEL_INITIALIZER,
     gradient_penalty: float = DEFAULT_GRADIENT_PENALTY,
     penalty: str = "two_sided",
+    penalty_interval: int = 1,
     weight_decay: float = DEFAULT_WEIGHT_DECAY,
     bce_epsilon: float = 0.0,
     trainable_length_scale: bool = False,
@@ -67,6 +68,9 @@ def wrap(
         gradient_penalty: float >= 0, weight of the gradient penalty; `0`
             turns it off. Defaults to `0.1`.
         penalty: `"two_sided"` (default) or `"one_sided"`.
+        penalty_interval: int >= 1, compute the penalty on every
+            `penalty_interval`-th step only, weighted by `penalty_interval`
+            there (see `DUQModel`). Defaults to `1`: every step.
         weight_decay: float >= 0, coupled L2 weight decay (each gradient gets
             `+ weight_decay * w`). Defaults to `1e-4`, as in the paper.
         bce_epsilon: float >= 0, floor of `K (1 - K)` in the cross-entropy
@@ -116,6 +120,7 @@ def wrap(
         outputs,
         gradient_penalty=gradient_penalty,
         penalty=penalty,
+        penalty_interval=penalty_interval,
         weight_decay=weight_decay,
         bce_epsilon=bce_epsilon,
         name=name,

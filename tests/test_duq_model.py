@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 
 import keras_duq
+from keras_duq import _duq_model
 from keras_duq import _ops
 from keras_duq import _validation
 from keras_duq import _tensorflow_trainer
@@ -318,6 +319,56 @@ def test_tf_data_and_callbacks(tmp_path):
     restored = keras.models.load_model(tmp_path / "best.keras")
     assert isinstance(restored, keras_duq.DUQModel)
     assert any(name.startswith("events") for _, _, files in os.walk(tmp_path / "logs") for name in files)
+
+
+def _fit_arguments(model, *args, **kwargs):
+    fit = keras.Model.fit.__get__(model)
+    _, arguments = _duq_model._arguments_for(fit, "fit", args, kwargs)
+    return arguments
+
+
+def _rows(dataset, index):
+    return np.concatenate([batch[index].numpy() for batch in dataset])
+
+
+def test_arrays_reach_fit_as_keras_batches_without_autotuning():
+    # With autotuning on, a whole `fit` on arrays took up to twice its steps'
+    # time (benchmarks/fit_overhead.py); the batches must stay Keras's own.
+    model = _compiled()
+    x, y = _data(n=70)
+    arguments = _fit_arguments(model, x, y, 32, validation_split=0.2)
+    train, validation = arguments["x"], arguments["validation_data"]
+    for dataset, batches in ((train, 2), (validation, 1)):
+        assert isinstance(dataset, tf.data.Dataset)
+        assert dataset.options().autotune.enabled is False
+        assert int(dataset.cardinality()) == batches
+    # Keras's split: the last 20% validates, in order; training is shuffled.
+    np.testing.assert_array_equal(_rows(validation, 0), x[56:])
+    np.testing.assert_array_equal(_rows(validation, 1), y[56:])
+    np.testing.assert_array_equal(np.sort(_rows(train, 1)), np.sort(y[:56]))
+    assert arguments["validation_split"] == 0.0 and arguments["batch_size"] is None
+
+
+def test_datasets_and_generators_reach_fit_unchanged():
+    model = _compiled()
+    x, y = _data()
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    assert _fit_arguments(model, dataset, epochs=2)["x"] is dataset
+
+
+def test_array_fit_keeps_keras_semantics():
+    x, y = _data(n=80)
+    model = _compiled()
+    history = model.fit(x, y, 16, 2, 0, validation_split=0.25, shuffle=False)
+    assert len(history.history["loss"]) == 2
+    logs = model.evaluate(x[60:], y[60:], batch_size=16, return_dict=True, verbose=0)
+    assert history.history["val_loss"][-1] == pytest.approx(logs["loss"], rel=1e-5)
+    seen = []
+    counter = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: seen.append(batch))
+    model.fit(x, y, batch_size=8, steps_per_epoch=3, epochs=2, verbose=0, callbacks=[counter])
+    assert seen == [0, 1, 2, 0, 1, 2]
+    dataset = tf.data.Dataset.from_tensor_slices(x).batch(32)
+    np.testing.assert_allclose(model.predict(x, verbose=0), model.predict(dataset, verbose=0), rtol=1e-6)
 
 
 def test_dict_inputs_and_uint8_images():
@@ -823,6 +874,8 @@ def test_xla_step_matches_graph_step():
         ({"weight_decay": -1e-4}, "weight_decay"),
         ({"bce_epsilon": -1e-12}, "bce_epsilon"),
         ({"penalty": "both"}, "two_sided"),
+        ({"penalty_interval": 0}, "penalty_interval"),
+        ({"penalty_interval": 2.0}, "penalty_interval"),
     ],
 )
 def test_bad_model_arguments(kwargs, message):

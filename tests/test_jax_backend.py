@@ -20,7 +20,7 @@ import numpy as np
 import keras
 import keras_duq
 
-def make_model(gradient_penalty=0.5, batch_norm=True, classes=3):
+def make_model(gradient_penalty=0.5, batch_norm=True, classes=3, momentum=0.9, **kwargs):
     keras.utils.set_random_seed(0)
     inputs = keras.Input((8, 8, 1))
     x = keras.layers.Conv2D(4, 3)(inputs)
@@ -29,8 +29,8 @@ def make_model(gradient_penalty=0.5, batch_norm=True, classes=3):
     x = keras.layers.ReLU()(x)
     x = keras.layers.Flatten()(x)
     outputs = keras_duq.DUQOutput(classes, centroid_dims=6, length_scale=0.5, momentum=0.9)(x)
-    model = keras_duq.DUQModel(inputs, outputs, gradient_penalty=gradient_penalty)
-    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9))
+    model = keras_duq.DUQModel(inputs, outputs, gradient_penalty=gradient_penalty, **kwargs)
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=momentum))
     return model
 
 def data(n=96, classes=3, seed=0):
@@ -183,6 +183,42 @@ def test_tensorflow_and_jax_agree_after_three_steps(tmp_path):
         assert difference <= max(1e-3 * change, 1e-6), report
     print("parity", report)
     assert changed >= 8, report  # conv kernel, BN (4), W, centroid counts and sums
+
+
+@pytest.mark.parametrize("backend", ["tensorflow", "jax"])
+def test_lazy_penalty_is_the_scaled_penalty_on_every_kth_step_only(backend):
+    # penalty_interval=2, lambda=0.5: step 0 is an exact step with lambda=1,
+    # step 1 a step without the penalty (plain SGD, so no optimizer state).
+    out = _run("""
+        x, y = data(n=32)
+        def trained(gradient_penalty, steps, start=None, **kwargs):
+            model = make_model(gradient_penalty, momentum=0.0, **kwargs)
+            if start is not None:
+                model.set_weights(start)
+            for _ in range(steps):
+                history = model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+            model.logs = history.history
+            return model
+        def difference(a, b):
+            return max(float(np.abs(u - v).max()) for u, v in zip(state(a), state(b)))
+        lazy = trained(0.5, 1, penalty_interval=2)
+        exact = trained(1.0, 1)
+        after_first = lazy.get_weights()
+        logged = lazy.logs["gradient_penalty"][0]
+        lazy.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+        plain = trained(0.0, 1, start=after_first)
+        config = keras_duq.DUQModel.from_config(lazy.get_config())
+        print(json.dumps({
+            "penalised_step": difference(trained(0.5, 1, penalty_interval=2), exact),
+            "plain_step": difference(lazy, plain),
+            "moved": max(float(np.abs(a - b).max()) for a, b in zip(after_first, state(lazy))),
+            "logged_penalty": logged,
+            "interval": config.penalty_interval,
+        }))
+    """, backend=backend)
+    assert out["penalised_step"] <= 1e-5 and out["plain_step"] <= 1e-5, out
+    assert out["moved"] > 1e-3 and out["logged_penalty"] > 0, out
+    assert out["interval"] == 2
 
 
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
