@@ -26,6 +26,7 @@ import time
 
 import keras
 import numpy as np
+from keras import ops
 from sklearn.datasets import make_moons
 from sklearn.metrics import roc_auc_score
 from sklearn.neighbors import NearestNeighbors
@@ -63,26 +64,96 @@ def make_data(seed, num_train=1500, num_test=500, noise=0.1):
     )
 
 
-def build_model(gradient_penalty=DEFAULT_GRADIENT_PENALTY, bias_correction=False, penalty_interval=1):
-    """The paper's two-moons model: three dense layers of 20 units.
+@keras.saving.register_keras_serializable(package="two_moons")
+class SpectralNormalizedDense(keras.layers.Layer):
+    """A dense layer whose kernel's spectral norm is at most `coefficient`.
 
-    As in the reference notebook, the third layer is linear: a ReLU right
-    before DUQ's projection lets units die, and every dead unit is a
-    direction in input space along which the features (and so the
-    certainty) stop changing, leaving bands of high certainty far from the
-    data.
+    Spectral normalisation (Miyato et al., 2018) as DUE (van Amersfoort et
+    al., 2021) uses it: the kernel is divided by `max(1, sigma /
+    coefficient)`, where `sigma`, its largest singular value, is estimated by
+    one power iteration per training step. Residual blocks `h + relu(f(h))`
+    of such layers keep distances: inputs far apart stay apart in feature
+    space, so points far from the data cannot be mapped onto a centroid.
+    Unlike `keras.layers.SpectralNormalization`, which rescales the kernel
+    to norm 1 and writes it back into the weights, the norm is only capped
+    and the gradient flows through the rescaling.
     """
-    backbone = keras.Sequential(
-        [
-            keras.Input((2,)),
-            keras.layers.Dense(20, activation="relu"),
-            keras.layers.Dense(20, activation="relu"),
-            keras.layers.Dense(20),
-        ],
-        name="mlp",
-    )
+
+    def __init__(self, units, coefficient=3.0, **kwargs):
+        super().__init__(**kwargs)
+        self.units = units
+        self.coefficient = coefficient
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight(
+            shape=(input_shape[-1], self.units), initializer="glorot_uniform", name="kernel"
+        )
+        self.bias = self.add_weight(shape=(self.units,), initializer="zeros", name="bias")
+        self.vector_u = self.add_weight(
+            shape=(1, self.units), initializer="random_normal", trainable=False, name="vector_u"
+        )
+
+    def call(self, inputs, training=False):
+        vector_v = ops.matmul(self.vector_u, ops.transpose(self.kernel))
+        vector_v = vector_v / (ops.norm(vector_v) + 1e-12)
+        vector_u = ops.matmul(vector_v, self.kernel)
+        vector_u = vector_u / (ops.norm(vector_u) + 1e-12)
+        if training:
+            self.vector_u.assign(vector_u)
+        vector_u, vector_v = ops.stop_gradient(vector_u), ops.stop_gradient(vector_v)
+        sigma = ops.sum(ops.matmul(vector_v, self.kernel) * vector_u)
+        kernel = self.kernel / ops.maximum(1.0, sigma / self.coefficient)
+        return ops.matmul(inputs, kernel) + self.bias
+
+    def get_config(self):
+        return {**super().get_config(), "units": self.units, "coefficient": self.coefficient}
+
+
+def build_backbone(backbone="paper"):
+    """The feature extractor: `"paper"` (default) or `"residual_sn"`.
+
+    `"paper"` is the paper's MLP: three dense layers of 20 units. As in the
+    reference notebook, its third layer is linear: a ReLU right before DUQ's
+    projection lets units die, and every dead unit is a direction in input
+    space along which the features (and so the certainty) stop changing,
+    leaving bands of high certainty far from the data.
+
+    `"residual_sn"`: a spectrally normalised dense layer of 20 units, then
+    two residual blocks `h + relu(SpectralNormalizedDense(20)(h))` with
+    norm at most 3, as DUE's feature extractor. Measured over 50 seeds
+    (docs/two_moons.md), it left no such band (mean far certainty at most
+    0.005), but missed the accuracy bar on about one seed in ten.
+    """
+    if backbone == "paper":
+        return keras.Sequential(
+            [
+                keras.Input((2,)),
+                keras.layers.Dense(20, activation="relu"),
+                keras.layers.Dense(20, activation="relu"),
+                keras.layers.Dense(20),
+            ],
+            name="mlp",
+        )
+    if backbone != "residual_sn":
+        raise ValueError(
+            f"Expected `backbone` to be 'residual_sn' or 'paper'. Received: `backbone={backbone!r}`"
+        )
+    inputs = keras.Input((2,))
+    features = SpectralNormalizedDense(20)(inputs)
+    for _ in range(2):
+        features = features + keras.layers.ReLU()(SpectralNormalizedDense(20)(features))
+    return keras.Model(inputs, features, name="residual_sn_mlp")
+
+
+def build_model(
+    gradient_penalty=DEFAULT_GRADIENT_PENALTY,
+    bias_correction=False,
+    penalty_interval=1,
+    backbone="paper",
+):
+    """A compiled DUQ model with the reference notebook's head and optimizer."""
     model = keras_duq.wrap(
-        backbone,
+        build_backbone(backbone),
         num_classes=2,
         centroid_dims=10,
         length_scale=0.3,
@@ -106,6 +177,7 @@ def run(
     verbose=0,
     bias_correction=False,
     penalty_interval=1,
+    backbone="paper",
 ):
     """Trains one model; returns its metrics (and writes the map if asked)."""
     # A fresh Keras state per run, so a seed gives the same model whether it
@@ -113,7 +185,7 @@ def run(
     keras.backend.clear_session()
     keras.utils.set_random_seed(seed)
     (x_train, y_train), (x_test, y_test), x_far = make_data(seed)
-    model = build_model(gradient_penalty, bias_correction, penalty_interval)
+    model = build_model(gradient_penalty, bias_correction, penalty_interval, backbone)
     start = time.perf_counter()
     model.fit(x_train, y_train, batch_size=64, epochs=epochs, verbose=verbose)
     train_seconds = time.perf_counter() - start
@@ -127,6 +199,7 @@ def run(
         "seed": seed,
         "gradient_penalty": gradient_penalty,
         "penalty_interval": penalty_interval,
+        "backbone": backbone,
         "epochs": epochs,
         "test_accuracy": float((test_kernels.argmax(axis=1) == y_test).mean()),
         "test_certainty_mean": float(test_certainty.mean()),
@@ -138,10 +211,13 @@ def run(
     }
     if output_dir:
         os.makedirs(output_dir, exist_ok=True)
-        title = f"DUQ, gradient penalty {gradient_penalty:g}, seed {seed}"
+        label = "" if backbone == "paper" else f" ({backbone})"
+        title = f"DUQ{label}, gradient penalty {gradient_penalty:g}, seed {seed}"
         figure = keras_duq.plots.plot_certainty_map(model, x_train, y_train, X_RANGE, Y_RANGE, title=title)
+        interval = f"_every{penalty_interval}" if penalty_interval > 1 else ""
+        prefix = "two_moons" if backbone == "paper" else f"two_moons_{backbone}"
         path = os.path.join(
-            output_dir, f"two_moons_gp{gradient_penalty:g}_seed{seed}.png"
+            output_dir, f"{prefix}_gp{gradient_penalty:g}{interval}_seed{seed}.png"
         )
         figure.savefig(path, dpi=100)
         results["figure"] = path
@@ -152,6 +228,11 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--gradient-penalty", type=float, default=DEFAULT_GRADIENT_PENALTY)
+    parser.add_argument(
+        "--backbone", choices=("paper", "residual_sn"), default="paper",
+        help="paper: the paper's three-layer MLP (default); residual_sn: a "
+        "spectrally normalised residual MLP (docs/two_moons.md).",
+    )
     parser.add_argument("--bias-correction", action="store_true")
     parser.add_argument(
         "--penalty-interval", type=int, default=1,
@@ -165,7 +246,7 @@ def main(argv=None):
     for seed in args.seeds:
         results = run(
             seed, args.gradient_penalty, args.epochs, args.output_dir, args.verbose,
-            args.bias_correction, args.penalty_interval,
+            args.bias_correction, args.penalty_interval, args.backbone,
         )
         all_results.append(results)
         print(
@@ -183,7 +264,10 @@ def main(argv=None):
     )
     os.makedirs(args.output_dir, exist_ok=True)
     interval = f"_every{args.penalty_interval}" if args.penalty_interval > 1 else ""
-    path = os.path.join(args.output_dir, f"results_gp{args.gradient_penalty:g}{interval}.json")
+    backbone = "" if args.backbone == "paper" else f"_{args.backbone}"
+    path = os.path.join(
+        args.output_dir, f"results{backbone}_gp{args.gradient_penalty:g}{interval}.json"
+    )
     with open(path, "w") as f:
         json.dump(all_results, f, indent=2)
     print(f"wrote {path}")
