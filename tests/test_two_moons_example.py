@@ -29,18 +29,30 @@ def test_far_points_are_far_from_training_data():
 
 
 @pytest.mark.slow
-def test_demo_meets_its_bar_on_most_seeds_and_the_penalty_matters():
-    # Medians over 5 seeds: a median passes when at least 3 seeds do. With
-    # the penalty, seed 3 misses the bar on every CPU measured and seed 0 on
+def test_demo_meets_its_bar_on_most_seeds():
+    # The default (spectrally normalised residual) backbone; medians over 5
+    # seeds pass when at least 3 seeds do. Measured on seeds 0-4 (oneDNN on
+    # and off): accuracy 0.986-1.000, far certainty 0.0008-0.0046.
+    results = [two_moons.run(seed) for seed in SEEDS]
+    far = [result["far_certainty_mean"] for result in results]
+    assert np.median([r["test_accuracy"] for r in results]) >= 0.98, results
+    assert np.median(far) <= 0.05, far
+    assert np.median([r["auroc_test_vs_far"] for r in results]) >= 0.99, results
+
+
+@pytest.mark.slow
+def test_paper_backbone_needs_the_penalty():
+    # The paper's Figure 1 against Figure 3, on the paper's MLP. With the
+    # penalty, seed 3 misses the bar on every CPU measured and seed 0 on
     # some (far certainty 0.131 on an AMD EPYC, 0.062 with oneDNN off here).
-    with_penalty = [two_moons.run(seed) for seed in SEEDS]
+    with_penalty = [two_moons.run(seed, backbone="paper") for seed in SEEDS]
     far = [result["far_certainty_mean"] for result in with_penalty]
     assert np.median([r["test_accuracy"] for r in with_penalty]) >= 0.98, with_penalty
     assert np.median(far) <= 0.05, far
     assert np.median([r["auroc_test_vs_far"] for r in with_penalty]) >= 0.99, with_penalty
     # Without the penalty the far certainty comes out clearly higher
     # (measured mean over these seeds: 0.16 without, 0.05-0.075 with).
-    without = [two_moons.run(seed, gradient_penalty=0.0) for seed in SEEDS]
+    without = [two_moons.run(seed, gradient_penalty=0.0, backbone="paper") for seed in SEEDS]
     far_without = [result["far_certainty_mean"] for result in without]
     assert np.mean(far_without) > 1.5 * np.mean(far), (far, far_without)
 
