@@ -4,10 +4,12 @@ Trains the paper's FashionMNIST CNN with a DUQ head on random numpy data for
 `--steps` steps per `fit` call and compares the wall time of each call with
 the sum of its per-batch times (from `on_train_batch_begin` to
 `on_train_batch_end`), over `--runs` calls in one process, with and without
-the gradient penalty, fed numpy arrays (Keras builds its own tf.data
-pipeline) and `keras_duq.datasets.make_dataset` (tf.data autotuning off). A
-ratio near 1 means `fit` adds little around the steps; the first call
-(tracing) is left out.
+the gradient penalty, fed NumPy arrays (Keras's own tf.data pipeline for
+arrays, which keras_duq runs with autotuning off) and
+`keras_duq.datasets.make_dataset` (autotuning off too). A ratio near 1 means
+`fit` adds little around the steps; the first call (tracing) is left out.
+Before keras_duq turned autotuning off for arrays, the NumPy rows measured
+1.93-1.99 with the penalty (docs/performance.md).
 
     python benchmarks/fit_overhead.py --output benchmarks/fit_overhead.json
 """
