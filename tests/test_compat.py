@@ -46,6 +46,24 @@ def test_a_moved_moments_function_degrades_with_one_warning(monkeypatch):
     assert np.isfinite(history.history["loss"]).all()
 
 
+def test_a_moved_array_adapter_degrades_to_keras_own_pipeline(monkeypatch):
+    monkeypatch.setattr(_compat, "_ARRAY_ADAPTER_MODULE", "keras.src.no_such_module")
+    monkeypatch.setattr(_compat, "_warned", set())
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((3,))
+    model = keras_duq.DUQModel(
+        inputs, keras_duq.DUQOutput(2, length_scale=0.5)(keras.layers.Dense(8)(inputs))
+    )
+    model.compile(optimizer="sgd")
+    x = np.random.default_rng(0).normal(size=(64, 3)).astype("float32")
+    with pytest.warns(RuntimeWarning, match="make_dataset"):
+        history = model.fit(
+            x, (x[:, 0] > 0).astype("int64"), epochs=2, validation_split=0.25, verbose=0
+        )
+    assert len(history.history["val_loss"]) == 2
+    assert model.predict(x, verbose=0).shape == (64, 2)
+
+
 def test_import_needs_neither_matplotlib_nor_scikit_learn():
     # Keras itself imports both when they are installed, so block them: the
     # core must import and train without them.
