@@ -332,13 +332,29 @@ def _maybe_xla(model, function):
 
 
 def _layer_state(model):
-    """Non-trainable variables that layers assign in the forward pass."""
+    """Variables that layers assign in the forward pass.
+
+    Non-trainable state (BatchNormalization's moving statistics), and the
+    kernels of Keras's `SpectralNormalization`, which writes the normalised
+    kernel back into the wrapped layer's trainable kernel.
+    """
     centroid_state = (model.duq_output.centroid_counts, model.duq_output.centroid_sums)
-    return [
+    state = [
         variable
         for variable in model.non_trainable_variables
         if all(variable is not other for other in centroid_state)
     ]
+    return state + [
+        layer.kernel
+        for layer in _nested_layers(model.feature_extractor)
+        if isinstance(layer, keras.layers.SpectralNormalization)
+    ]
+
+
+def _nested_layers(layer):
+    yield layer
+    for child in getattr(layer, "layers", ()):
+        yield from _nested_layers(child)
 
 
 def _restore_unless(condition, variables, saved):

@@ -980,3 +980,21 @@ def test_failed_step_keeps_batch_norm_statistics():
     with pytest.raises(tf.errors.InvalidArgumentError, match="non-finite"):
         model.fit(x * 1e30, y, epochs=1, verbose=0)
     _assert_state_equal(model, state)
+
+
+def test_failed_step_keeps_spectral_normalization_kernels():
+    # Keras's SpectralNormalization writes the normalised kernel into the
+    # (trainable) kernel during the forward pass; a rejected step must undo it.
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    dense = keras.layers.Dense(8, kernel_initializer=keras.initializers.RandomNormal(stddev=3.0))
+    features = keras.layers.SpectralNormalization(dense)(inputs)
+    model = keras_duq.DUQModel(
+        inputs, keras_duq.DUQOutput(2, length_scale=0.1)(features), gradient_penalty=1.0
+    )
+    model.compile(optimizer=keras.optimizers.SGD(0.01))
+    state = _state(model)
+    x, _ = _data(n=32, features=4, classes=2)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="not normalised"):
+        model.fit(x * 1e20, np.zeros(32, "int64"), batch_size=32, verbose=0)
+    _assert_state_equal(model, state)
