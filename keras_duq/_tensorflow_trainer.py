@@ -8,7 +8,8 @@ One training step:
    `tf.GradientTape` takes the input gradient of `sum_c K_c`, whose norm is
    penalised (double backprop). The outer tape differentiates the objective:
    cross-entropy + `lambda` * penalty + coupled L2 weight decay.
-3. Guard: a step whose loss, gradients or layer statistics (BatchNorm's,
+3. Guard: a step whose loss, gradients or layer state written in the
+   forward pass (BatchNorm's statistics, spectrally normalised kernels;
    restored from a copy) are not finite is never applied. Under a
    `LossScaleOptimizer` it is skipped and the scale lowered (a normal event
    in float16); otherwise training stops with an error naming causes. The
@@ -53,9 +54,9 @@ def train_step(model, data):
         gradients = tape.gradient(scaled, weights)
         return gradients, log_kernel, penalty, objective, bce
 
-    # Layers update statistics in the forward pass (BatchNormalization's
-    # moving mean and variance), before the check can run: keep a copy, to
-    # put back if the step fails it.
+    # Layers write state in the forward pass (BatchNormalization's moving
+    # mean and variance), before the check can run: keep a copy, to put back
+    # if the step fails it.
     layer_state = _layer_state(model)
     saved = [tf.identity(variable) for variable in layer_state]
     penalised = None
