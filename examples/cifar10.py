@@ -64,6 +64,15 @@ import tensorflow as tf
 
 import keras_duq
 
+# The resumable training loop, its epoch log, the figures and PyTorch's
+# default initializer are the FashionMNIST example's.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fashion_mnist import jit_compile_argument  # noqa: E402
+from fashion_mnist import nan_to_none  # noqa: E402
+from fashion_mnist import pytorch_default_initializer  # noqa: E402
+from fashion_mnist import save_figures  # noqa: E402
+from fashion_mnist import train_model  # noqa: E402
+
 NUM_CLASSES = 10
 IMAGE_SHAPE = (32, 32, 3)
 IN_DISTRIBUTION = "cifar10"
@@ -353,18 +362,6 @@ def _parse_normalization_stats(parser, text):
 # ---------------------------------------------------------------- models
 
 
-def pytorch_default_initializer() -> keras.initializers.Initializer:
-    """PyTorch's default for conv and linear kernels: uniform in
-    +-1/sqrt(fan_in).
-
-    A new instance per layer, created after `set_random_seed`, so that
-    `--seed` fixes the initial weights.
-    """
-    return keras.initializers.VarianceScaling(
-        scale=1.0 / 3.0, mode="fan_in", distribution="uniform"
-    )
-
-
 def torchvision_conv_initializer() -> keras.initializers.Initializer:
     """torchvision ResNet's convolutions: Kaiming normal over the fan-out."""
     return keras.initializers.VarianceScaling(
@@ -521,7 +518,7 @@ def build_duq_model(args, steps_per_epoch: int, seed: int) -> keras_duq.DUQModel
         )
     model.compile(
         optimizer=make_optimizer(args, steps_per_epoch),
-        jit_compile=_jit_compile(args),
+        jit_compile=jit_compile_argument(args),
     )
     return model
 
@@ -554,7 +551,7 @@ def build_softmax_model(args, steps_per_epoch: int) -> keras.Model:
         optimizer=make_optimizer(args, steps_per_epoch),
         loss="sparse_categorical_crossentropy",
         metrics=["accuracy"],
-        jit_compile=_jit_compile(args),
+        jit_compile=jit_compile_argument(args),
     )
     return model
 
@@ -578,10 +575,6 @@ def set_dtype_policy(mixed_precision: str):
     keras.mixed_precision.set_global_policy(
         "float32" if mixed_precision == "none" else mixed_precision
     )
-
-
-def _jit_compile(args):
-    return {"auto": "auto", "true": True, "false": False}[args.jit_compile]
 
 
 # ------------------------------------------------------------------ data
@@ -817,86 +810,6 @@ def load_data(args):
 # -------------------------------------------------------------- training
 
 
-class EpochLog(keras.callbacks.Callback):
-    """Appends each finished epoch (its seconds and logs) to a JSON-lines file.
-
-    With `BackupAndRestore`, a resumed run's `History` holds only the epochs
-    of its own process; this file holds all of them.
-    """
-
-    def __init__(self, path: str):
-        super().__init__()
-        self.path = path
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._start = time.perf_counter()
-
-    def on_epoch_end(self, epoch, logs=None):
-        record = {
-            "epoch": epoch + 1,
-            "seconds": time.perf_counter() - self._start,
-            "logs": {k: float(v) for k, v in (logs or {}).items()},
-        }
-        with open(self.path, "a") as file:
-            file.write(json.dumps(record) + "\n")
-
-
-def read_epoch_log(path: str) -> list:
-    """Records of `EpochLog`, the last one per epoch (a resumed run may
-    repeat an epoch that was cut off before its backup)."""
-    if not os.path.exists(path):
-        return []
-    with open(path) as file:
-        records = [json.loads(line) for line in file if line.strip()]
-    return sorted({r["epoch"]: r for r in records}.values(), key=lambda r: r["epoch"])
-
-
-def train_model(model, make_dataset, args, steps_per_epoch, seed, callbacks=(),
-                backup_dir=None):
-    """Fits one model; returns its per-epoch history and training seconds.
-
-    `make_dataset(seed)` builds the training pipeline.
-    """
-    callbacks = list(callbacks)
-    epoch_log = None
-    done = 0
-    if backup_dir:
-        os.makedirs(backup_dir, exist_ok=True)
-        epoch_log = os.path.join(backup_dir, "epochs.jsonl")
-        state_dir = os.path.join(backup_dir, "state")
-        if not os.path.exists(state_dir) and os.path.exists(epoch_log):
-            os.remove(epoch_log)  # a log without its state is stale
-        done = len(read_epoch_log(epoch_log))
-        callbacks += [
-            # Kept after the last epoch: rerunning a finished run then only
-            # evaluates it.
-            keras.callbacks.BackupAndRestore(state_dir, delete_checkpoint=False),
-            EpochLog(epoch_log),
-        ]
-    # A resumed run must not replay the first epochs' data order and crops.
-    dataset = make_dataset(seed + 1000 * done)
-    start = time.perf_counter()
-    history = model.fit(
-        dataset,
-        epochs=args.epochs,
-        steps_per_epoch=steps_per_epoch,
-        # The dataset reshuffles itself every pass.
-        shuffle=False,
-        callbacks=callbacks,
-        verbose=args.verbose,
-    )
-    seconds = time.perf_counter() - start
-    if epoch_log is None:
-        history = {k: [float(v) for v in vs] for k, vs in history.history.items()}
-        return history, seconds
-    records = read_epoch_log(epoch_log)
-    history = {}
-    for record in records:
-        for key, value in record["logs"].items():
-            history.setdefault(key, []).append(value)
-    return history, sum(r["seconds"] for r in records)
-
-
 def training_callbacks(args, evaluation, method, log_dir):
     callbacks = []
     if args.ood_eval_every:
@@ -968,28 +881,6 @@ def evaluate(models, method, evaluation):
     return results, sizes, in_certainty, ood_certainty, curve
 
 
-def save_figures(output_dir, label, in_certainty, ood_certainty, curve, method):
-    """The paper's Figures 7 and 8 (histograms, rejection curve) and the ROC."""
-    title = f"{label}: CIFAR-10 vs. SVHN"
-    figures = {
-        "certainty_histograms.png": keras_duq.plots.plot_certainty_histograms(
-            in_certainty, ood_certainty,
-            in_label="CIFAR-10 (test)", ood_label="SVHN (test)",
-            xlabel="max kernel value" if method == "max" else "negative entropy",
-            title=title,
-        ),
-        "rejection_curve.png": keras_duq.plots.plot_rejection_curve(
-            curve, label=label, title=title
-        ),
-        "roc_curve.png": keras_duq.plots.plot_roc_curve(
-            in_certainty, ood_certainty, label=label, title=title
-        ),
-    }
-    for name, figure in figures.items():
-        figure.savefig(os.path.join(output_dir, name), dpi=120)
-    return sorted(figures)
-
-
 def main(argv=None) -> dict:
     """Runs the experiment; returns the dict written to `results.json`."""
     args = parse_args(argv)
@@ -1049,7 +940,8 @@ def _run(args, start) -> dict:
         args.model
     ]
     figures = save_figures(
-        args.output_dir, label, in_certainty, ood_certainty, curve, method
+        args.output_dir, label, in_certainty, ood_certainty, curve, method,
+        in_name="CIFAR-10", ood_name="SVHN",
     )
     import tensorflow_datasets as tfds
 
@@ -1084,7 +976,7 @@ def _run(args, start) -> dict:
     )
     with open(os.path.join(args.output_dir, "results.json"), "w") as file:
         # NaN (the rejection curve's last point) is not valid JSON: write null.
-        json.dump(_nan_to_none(results), file, indent=2)
+        json.dump(nan_to_none(results), file, indent=2)
     print(
         f"{label}: accuracy {results['accuracy']:.4f}, AUROC vs SVHN "
         f"{results['auroc']:.4f}, AUPR {results['aupr']:.4f}, FPR@95%TPR "
@@ -1097,16 +989,6 @@ def _run(args, start) -> dict:
 
 def _format(value):
     return "n/a" if value is None else f"{value:.4f}"
-
-
-def _nan_to_none(value):
-    if isinstance(value, dict):
-        return {k: _nan_to_none(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_nan_to_none(v) for v in value]
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    return value
 
 
 if __name__ == "__main__":

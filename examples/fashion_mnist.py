@@ -266,7 +266,7 @@ def build_duq_model(args, steps_per_epoch: int) -> keras_duq.DUQModel:
     )
     model.compile(
         optimizer=make_optimizer(steps_per_epoch, args.epochs),
-        jit_compile=_jit_compile(args),
+        jit_compile=jit_compile_argument(args),
     )
     return model
 
@@ -295,7 +295,7 @@ def build_softmax_model(args, steps_per_epoch: int) -> keras.Model:
         optimizer=make_optimizer(steps_per_epoch, args.epochs),
         loss="sparse_categorical_crossentropy",
         metrics=["accuracy"],
-        jit_compile=_jit_compile(args),
+        jit_compile=jit_compile_argument(args),
     )
     return model
 
@@ -315,7 +315,8 @@ def build_model(args, steps_per_epoch: int, seed: int) -> keras.Model:
     return build_softmax_model(args, steps_per_epoch)
 
 
-def _jit_compile(args):
+def jit_compile_argument(args):
+    """`--jit-compile` as `Model.compile` takes it."""
     return {"auto": "auto", "true": True, "false": False}[args.jit_compile]
 
 
@@ -385,10 +386,15 @@ def read_epoch_log(path: str) -> list:
     return sorted({r["epoch"]: r for r in records}.values(), key=lambda r: r["epoch"])
 
 
-def train(model, train_data, args, steps_per_epoch, seed, callbacks=(),
-          backup_dir=None):
-    """Fits one model; returns its per-epoch history and training seconds."""
-    x, y = train_data
+def train_model(model, make_dataset, args, steps_per_epoch, seed, callbacks=(),
+                backup_dir=None):
+    """Fits one model; returns its per-epoch history and training seconds.
+
+    `make_dataset(seed)` builds the training pipeline, repeated, reshuffling
+    itself every pass. With `backup_dir`, the training state is backed up
+    after every epoch and a rerun resumes from the last finished one.
+    (examples/cifar10.py trains with this function too.)
+    """
     callbacks = list(callbacks)
     epoch_log = None
     done = 0
@@ -405,17 +411,14 @@ def train(model, train_data, args, steps_per_epoch, seed, callbacks=(),
             keras.callbacks.BackupAndRestore(state_dir, delete_checkpoint=False),
             EpochLog(epoch_log),
         ]
-    dataset = keras_duq.datasets.make_dataset(
-        # A resumed run must not replay the first epochs' data order.
-        x, y, batch_size=args.batch_size, shuffle=True, seed=seed + 1000 * done,
-        repeat=True,
-    )
+    # A resumed run must not replay the first epochs' data order.
+    dataset = make_dataset(seed + 1000 * done)
     start = time.perf_counter()
     history = model.fit(
         dataset,
         epochs=args.epochs,
         steps_per_epoch=steps_per_epoch,
-        # The dataset reshuffles itself every epoch.
+        # The dataset reshuffles itself every pass.
         shuffle=False,
         callbacks=callbacks,
         verbose=args.verbose,
@@ -487,8 +490,10 @@ def evaluate(models, method, test, x_ood, validation=None) -> dict:
     return results, in_certainty, ood_certainty, curve
 
 
-def save_figures(output_dir, label, in_certainty, ood_certainty, curve, method):
-    title = f"{label}: FashionMNIST vs. MNIST"
+def save_figures(output_dir, label, in_certainty, ood_certainty, curve, method,
+                 in_name="FashionMNIST", ood_name="MNIST"):
+    """The paper's Figures 7 and 8 (histograms, rejection curve) and the ROC."""
+    title = f"{label}: {in_name} vs. {ood_name}"
     figures = {
         "roc_curve.png": keras_duq.plots.plot_roc_curve(
             in_certainty, ood_certainty, label=label, title=title
@@ -498,7 +503,7 @@ def save_figures(output_dir, label, in_certainty, ood_certainty, curve, method):
         ),
         "certainty_histograms.png": keras_duq.plots.plot_certainty_histograms(
             in_certainty, ood_certainty,
-            in_label="FashionMNIST (test)", ood_label="MNIST (test)",
+            in_label=f"{in_name} (test)", ood_label=f"{ood_name} (test)",
             xlabel="max kernel value" if method == "max" else "negative entropy",
             title=title,
         ),
@@ -517,6 +522,11 @@ def main(argv=None) -> dict:
     train_data, validation, test, x_ood = load_data(args)
 
     steps_per_epoch = math.ceil(len(train_data[0]) / args.batch_size)
+
+    def make_dataset(seed):
+        return keras_duq.datasets.make_dataset(
+            *train_data, batch_size=args.batch_size, shuffle=True, seed=seed, repeat=True
+        )
     if args.max_steps_per_epoch:
         steps_per_epoch = min(steps_per_epoch, args.max_steps_per_epoch)
     # DUQ's certainty is the largest kernel value; the softmax baselines use
@@ -538,8 +548,8 @@ def main(argv=None) -> dict:
         backup_dir = None
         if args.backup_dir:
             backup_dir = os.path.join(args.backup_dir, f"member_{index}")
-        history, seconds = train(
-            model, train_data, args, steps_per_epoch, seed, callbacks, backup_dir
+        history, seconds = train_model(
+            model, make_dataset, args, steps_per_epoch, seed, callbacks, backup_dir
         )
         histories.append(history)
         train_time += seconds
@@ -579,7 +589,7 @@ def main(argv=None) -> dict:
     )
     with open(os.path.join(args.output_dir, "results.json"), "w") as file:
         # NaN (the rejection curve's last point) is not valid JSON: write null.
-        json.dump(_nan_to_none(results), file, indent=2)
+        json.dump(nan_to_none(results), file, indent=2)
     print(
         f"{label}: accuracy {results['accuracy']:.4f}, AUROC vs MNIST "
         f"{results['auroc']:.4f}, AUPR {results['aupr']:.4f}, FPR@95%TPR "
@@ -590,11 +600,12 @@ def main(argv=None) -> dict:
     return results
 
 
-def _nan_to_none(value):
+def nan_to_none(value):
+    """`value` with every NaN float, at any depth, replaced by `None` (for JSON)."""
     if isinstance(value, dict):
-        return {k: _nan_to_none(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_nan_to_none(v) for v in value]
+        return {k: nan_to_none(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [nan_to_none(v) for v in value]
     if isinstance(value, float) and math.isnan(value):
         return None
     return value

@@ -81,6 +81,17 @@ class SpectralNormalizedDense(keras.layers.Layer):
     Unlike `keras.layers.SpectralNormalization`, which rescales the kernel
     to norm 1 and writes it back into the weights, the norm is only capped
     and the gradient flows through the rescaling.
+
+    Args:
+        units: int, the output size.
+        coefficient: float > 0, the largest spectral norm allowed. Defaults
+            to `3.0`.
+
+    Example:
+
+    ```python
+    features = SpectralNormalizedDense(32)(keras.Input((2,)))
+    ```
     """
 
     def __init__(self, units, coefficient=3.0, **kwargs):

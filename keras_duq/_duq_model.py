@@ -248,6 +248,10 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
         """Whether training computes the penalty on some steps only."""
         return self.gradient_penalty > 0 and self.penalty_interval > 1
 
+    def _is_penalty_step(self, iterations):
+        """Whether the lazy penalty is computed at optimizer step `iterations`."""
+        return ops.equal(iterations % self.penalty_interval, 0)
+
     def _total_loss(
         self, log_kernel, penalty, labels_one_hot, sample_weight, weights, training=False
     ):

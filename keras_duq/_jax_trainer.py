@@ -107,7 +107,7 @@ def train_step(model, state, data):
         iterations = optimizer_variables[
             _index(model.optimizer.variables, model.optimizer.iterations)
         ]
-        penalised = iterations % model.penalty_interval == 0
+        penalised = model._is_penalty_step(iterations)
         gradients, (total, bce, log_kernel, penalty, new_non_trainable) = jax.lax.cond(
             penalised,
             lambda trainable: gradients_and_losses(trainable, True),

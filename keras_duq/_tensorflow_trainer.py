@@ -61,7 +61,7 @@ def train_step(model, data):
     saved = [tf.identity(variable) for variable in layer_state]
     penalised = None
     if model._lazy_penalty:
-        penalised = tf.equal(model.optimizer.iterations % model.penalty_interval, 0)
+        penalised = model._is_penalty_step(model.optimizer.iterations)
         gradients, log_kernel, penalty, objective, bce = _lazy(
             model, gradients_and_losses, penalised, weights
         )(x, labels_one_hot, sample_weight)
