@@ -62,10 +62,11 @@ class OODEvaluation(keras.callbacks.Callback):
     Args:
         in_distribution: in-distribution test data: a numpy array `x`, a
             tuple `(x, y)` with integer labels `(n,)`, or a batched
-            `tf.data.Dataset` yielding `x` or `(x, y)` (as in `fit`, a tuple
-            element is read as `(x, y)` or `(x, y, sample_weight)`).
+            `tf.data.Dataset` or finite `keras.utils.PyDataset` yielding `x`
+            or `(x, y)` (as in `fit`, a tuple element is read as `(x, y)` or
+            `(x, y, sample_weight)`).
         out_of_distribution: OoD data: a numpy array `x` or a batched
-            `tf.data.Dataset` (labels, if any, are ignored). Datasets are
+            dataset (labels, if any, are ignored). Datasets are
             read into memory at each evaluation, so keep the sets at test
             set size.
         every_n_epochs: int >= 1, evaluate after every this many epochs.
@@ -142,7 +143,7 @@ class OODEvaluation(keras.callbacks.Callback):
 
     def _predict(self, data):
         """Scores `(n, classes)` and labels `(n,)` (or `None`) for `data`."""
-        if not _is_tf_dataset(data):
+        if not _is_dataset(data):
             x, y = data if isinstance(data, tuple) else (data, None)
             scores = self.model.predict(x, batch_size=self.batch_size, verbose=0)
             return scores, None if y is None else _as_labels(y)
@@ -151,7 +152,7 @@ class OODEvaluation(keras.callbacks.Callback):
         # `predict` call on the result then traces its function once, where
         # batch-by-batch prediction would retrace on the smaller last batch.
         input_batches, label_batches = [], []
-        for element in data:
+        for element in _elements(data):
             x, y, _ = keras.utils.unpack_x_y_sample_weight(element)
             input_batches.append(keras.tree.map_structure(np.asarray, x))
             if y is not None:
@@ -167,13 +168,18 @@ class OODEvaluation(keras.callbacks.Callback):
 
 
 def _check_data(name, data):
-    if _is_tf_dataset(data):
+    if _is_dataset(data):
+        if isinstance(data, keras.utils.PyDataset) and _num_batches(data) is None:
+            raise ValueError(
+                f"`{name}` is an endless `keras.utils.PyDataset`; evaluation "
+                "needs a finite one (e.g. `make_dataset(..., repeat=False)`)."
+            )
         return data
     if isinstance(data, tuple):
         if len(data) != 2:
             raise ValueError(
                 f"Expected `{name}` to be an array `x`, a tuple `(x, y)` or a "
-                f"tf.data.Dataset. Received: a tuple of length {len(data)}"
+                f"dataset. Received: a tuple of length {len(data)}"
             )
         x, y = data
         if len(x) != len(y):
@@ -186,7 +192,7 @@ def _check_data(name, data):
     if not hasattr(data, "shape") and not isinstance(data, (list, dict)):
         raise ValueError(
             f"Expected `{name}` to be an array `x`, a tuple `(x, y)` or a "
-            f"tf.data.Dataset. Received: `{name}` of type {type(data).__name__}"
+            f"dataset. Received: `{name}` of type {type(data).__name__}"
         )
     return data
 
@@ -198,7 +204,22 @@ def _as_labels(y):
     return y.reshape(-1)
 
 
-def _is_tf_dataset(data):
+def _is_dataset(data):
+    if isinstance(data, keras.utils.PyDataset):
+        return True
     # Without TensorFlow loaded (the JAX backend) no tf.data dataset exists.
     tf = sys.modules.get("tensorflow")
     return tf is not None and isinstance(data, tf.data.Dataset)
+
+
+def _num_batches(dataset):
+    try:
+        return dataset.num_batches  # None: endless
+    except AttributeError:  # Keras older than `PyDataset.num_batches`
+        return len(dataset)
+
+
+def _elements(data):
+    if not isinstance(data, keras.utils.PyDataset):
+        return iter(data)
+    return (data[index] for index in range(_num_batches(data)))

@@ -213,12 +213,18 @@ def make_dataset(
     seed: int | None = None,
     repeat: bool = False,
     cache: bool = True,
-) -> "tf.data.Dataset":
+):
     """A batched `tf.data` pipeline over in-memory arrays.
 
     Cache, then shuffle (reshuffled every epoch), batch, optionally repeat,
     and prefetch two batches, so that the next batch is ready while the
     model trains.
+
+    Without TensorFlow installed (the JAX backend), it returns a
+    `keras.utils.PyDataset` with the same batches: shuffled anew every pass
+    (reproducibly with `seed`), the last batch smaller, endless with
+    `repeat=True`. `fit`, `evaluate`, `predict` and
+    `keras_duq.callbacks.OODEvaluation` take either.
 
     `tf.data`'s autotuning is turned off in the returned dataset's options.
     With it on, `fit` sometimes returned tens of seconds after its last
@@ -272,7 +278,10 @@ def make_dataset(
             f"`x` and `y` must have the same length. Received: `x` of length "
             f"{len(x)} and `y` of length {len(y)}"
         )
-    import tensorflow as tf  # tf.data serves every backend's `fit`
+    try:
+        import tensorflow as tf  # tf.data serves every backend's `fit`
+    except ImportError:
+        return _ArrayBatches(x, y, batch_size, shuffle=shuffle, seed=seed, repeat=repeat)
 
     dataset = tf.data.Dataset.from_tensor_slices(x if y is None else (x, y))
     if cache:
@@ -285,6 +294,57 @@ def make_dataset(
     options = tf.data.Options()
     options.autotune.enabled = False
     return dataset.prefetch(_PREFETCH_BATCHES).with_options(options)
+
+
+class _ArrayBatches(keras.utils.PyDataset):
+    """`make_dataset`'s batches without TensorFlow: a `keras.utils.PyDataset`.
+
+    Batch `i` of an endless (`repeat=True`) one is batch `i % n` of pass
+    `i // n`, so `fit` with `steps_per_epoch` goes on where the last epoch
+    stopped, as a repeated `tf.data` pipeline does. A finite one starts a
+    new pass at each `on_epoch_end`, which Keras calls after every epoch.
+    Pass `p` is shuffled by a generator seeded with `(seed, p)`.
+    """
+
+    def __init__(self, x, y=None, batch_size=128, shuffle=False, seed=None, repeat=False):
+        super().__init__()
+        self.x, self.y = np.asarray(x), None if y is None else np.asarray(y)
+        if not len(self.x):
+            raise ValueError("Expected at least one example. Received: an empty `x`")
+        self.batch_size, self.shuffle, self.repeat = batch_size, shuffle, repeat
+        self.seed = np.random.SeedSequence(seed).entropy
+        self.batches_per_pass = -(-len(self.x) // batch_size)
+        self._pass = 0
+        self._cached = (None, None)  # (pass, order): one permutation per pass
+
+    @property
+    def num_batches(self):
+        return None if self.repeat else self.batches_per_pass
+
+    def __len__(self):
+        if self.repeat:
+            raise TypeError(
+                "A repeated dataset has no length; pass `steps_per_epoch` to `fit`."
+            )
+        return self.batches_per_pass
+
+    def __getitem__(self, index):
+        passes, index = divmod(index, self.batches_per_pass)
+        order = self._order(self._pass + passes)
+        rows = order[index * self.batch_size : (index + 1) * self.batch_size]
+        return self.x[rows] if self.y is None else (self.x[rows], self.y[rows])
+
+    def on_epoch_end(self):
+        if not self.repeat:
+            self._pass += 1
+
+    def _order(self, pass_index):
+        if not self.shuffle:
+            return np.arange(len(self.x))
+        if self._cached[0] != pass_index:
+            rng = np.random.default_rng([self.seed, pass_index])
+            self._cached = (pass_index, rng.permutation(len(self.x)))
+        return self._cached[1]
 
 
 def _files_in(folder, names):

@@ -178,3 +178,41 @@ def test_make_dataset_rejects_bad_input():
         keras_duq.datasets.make_dataset(np.zeros((4, 2)), batch_size=0)
     with pytest.raises(ValueError, match="same length"):
         keras_duq.datasets.make_dataset(np.zeros((4, 2)), np.zeros(3))
+
+
+def test_array_batches_pair_reshuffle_and_repeat_without_tensorflow():
+    # What `make_dataset` returns when TensorFlow is not installed (see
+    # tests/test_jax_backend.py for that path end to end).
+    x = np.arange(10, dtype="float32")[:, None]
+    y = np.arange(10)
+    ordered = keras_duq.datasets._ArrayBatches(x, y, batch_size=4)
+    assert ordered.num_batches == len(ordered) == 3
+    assert [ordered[i][1].tolist() for i in range(3)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+
+    def one_pass(dataset, first=0):
+        batches = [dataset[first + i] for i in range(dataset.batches_per_pass)]
+        for x_batch, y_batch in batches:
+            np.testing.assert_array_equal(x_batch[:, 0], y_batch)  # still paired
+        return np.concatenate([b[1] for b in batches])
+
+    shuffled = keras_duq.datasets._ArrayBatches(x, y, batch_size=4, shuffle=True, seed=1)
+    first = one_pass(shuffled)
+    assert sorted(first.tolist()) == list(range(10))
+    np.testing.assert_array_equal(one_pass(shuffled), first)  # one order per pass
+    shuffled.on_epoch_end()  # what Keras calls after every epoch
+    second = one_pass(shuffled)
+    assert sorted(second.tolist()) == list(range(10))
+    assert not np.array_equal(first, second)
+    again = keras_duq.datasets._ArrayBatches(x, y, batch_size=4, shuffle=True, seed=1)
+    np.testing.assert_array_equal(one_pass(again), first)  # seeded
+
+    # Endless: batch i is batch i % 3 of pass i // 3; epochs do not restart it.
+    endless = keras_duq.datasets._ArrayBatches(x, y, batch_size=4, shuffle=True, seed=1, repeat=True)
+    assert endless.num_batches is None
+    np.testing.assert_array_equal(one_pass(endless), first)
+    endless.on_epoch_end()
+    np.testing.assert_array_equal(one_pass(endless, first=3), second)
+    with pytest.raises(TypeError, match="steps_per_epoch"):
+        len(endless)
+    with pytest.raises(ValueError, match="at least one example"):
+        keras_duq.datasets._ArrayBatches(np.zeros((0, 2)))

@@ -334,6 +334,45 @@ def test_callback_with_softmax_model_and_datasets():
     )
 
 
+class _Batches(keras.utils.PyDataset):
+    """A user's own PyDataset, defined only by `__len__` and `__getitem__`."""
+
+    def __init__(self, x, y=None, batch_size=16):
+        super().__init__()
+        self.x, self.y, self.batch_size = x, y, batch_size
+
+    def __len__(self):
+        return -(-len(self.x) // self.batch_size)
+
+    def __getitem__(self, index):
+        rows = slice(index * self.batch_size, (index + 1) * self.batch_size)
+        return self.x[rows] if self.y is None else (self.x[rows], self.y[rows])
+
+
+def test_callback_with_py_datasets_matches_arrays():
+    keras.utils.set_random_seed(0)
+    x_test, y_test = _moons(100, 1)
+    x_ood = _far_points(50, 2)
+    model = keras.Sequential(
+        [keras.Input((2,)), keras.layers.Dense(8, activation="relu"),
+         keras.layers.Dense(2, activation="softmax")]
+    )
+    from_arrays = keras_duq.callbacks.OODEvaluation((x_test, y_test), x_ood)
+    from_arrays.set_model(model)
+    for in_distribution in (
+        _Batches(x_test, y_test),
+        # What `make_dataset` returns without TensorFlow, shuffled.
+        keras_duq.datasets._ArrayBatches(x_test, y_test, batch_size=32, shuffle=True, seed=0),
+    ):
+        from_batches = keras_duq.callbacks.OODEvaluation(in_distribution, _Batches(x_ood))
+        from_batches.set_model(model)
+        assert from_batches.evaluate() == pytest.approx(from_arrays.evaluate(), nan_ok=True)
+
+    endless = keras_duq.datasets._ArrayBatches(x_ood, repeat=True)
+    with pytest.raises(ValueError, match="endless"):
+        keras_duq.callbacks.OODEvaluation(x_test, endless)
+
+
 def test_callback_without_labels_logs_only_ood_metrics():
     model = keras.Sequential(
         [keras.Input((2,)), keras.layers.Dense(3, activation="softmax")]

@@ -9,10 +9,13 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import jax  # noqa: F401  (part of the tests extra: fail loudly without it)
 import numpy as np
 import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 _PRELUDE = """
 import json, os, sys
@@ -88,6 +91,42 @@ def test_imports_and_trains_without_tensorflow(tmp_path):
     assert np.all(np.isfinite(history["loss"]))
     assert out["reload_error"] < 1e-6
     assert 0.0 <= out["kernel_range"][0] <= out["kernel_range"][1] <= 1.0
+
+
+@pytest.mark.slow
+def test_fashion_mnist_example_runs_without_tensorflow(tmp_path, mnist_dir, fashion_mnist_dir):
+    # The GPU machine has JAX but no TensorFlow: the example's data pipeline
+    # (`make_dataset`) and OoD callback must work without it.
+    out = _run(f"""
+        import importlib.abc, runpy
+        class Block(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path, target=None):
+                if name.split(".")[0] == "tensorflow":
+                    raise ImportError("blocked: " + name)
+        sys.meta_path.insert(0, Block())
+        pipeline = type(keras_duq.datasets.make_dataset(np.zeros((4, 2)), batch_size=2))
+        example = runpy.run_path({str(EXAMPLES / "fashion_mnist.py")!r})
+        results = example["main"]([
+            "--epochs", "2", "--batch-size", "64", "--train-subset", "256",
+            "--test-subset", "256", "--ood-eval-every", "1", "--verbose", "0",
+            "--mnist-path", {str(mnist_dir)!r},
+            "--fashion-mnist-path", {str(fashion_mnist_dir)!r},
+            "--output-dir", {str(tmp_path)!r},
+        ])
+        print(json.dumps(dict(
+            pipeline=pipeline.__name__,
+            history=results["history"],
+            accuracy=results["accuracy"],
+            auroc=results["auroc"],
+            tensorflow=any(m.split(".")[0] == "tensorflow" for m in sys.modules),
+        )))
+    """)
+    assert not out["tensorflow"]
+    assert out["pipeline"] == "_ArrayBatches"
+    assert len(out["history"]["loss"]) == 2 and np.all(np.isfinite(out["history"]["loss"]))
+    assert len(out["history"]["ood_auroc"]) == 2  # the OoD callback ran each epoch
+    assert 0.0 <= out["accuracy"] <= 1.0 and 0.0 <= out["auroc"] <= 1.0
+    assert (tmp_path / "results.json").is_file()
 
 
 def test_bad_batches_raise_before_any_state_changes():
