@@ -67,10 +67,12 @@ import keras_duq
 # The resumable training loop, its epoch log, the figures and PyTorch's
 # default initializer are the FashionMNIST example's.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fashion_mnist import MIXED_PRECISION_POLICIES  # noqa: E402
 from fashion_mnist import jit_compile_argument  # noqa: E402
 from fashion_mnist import nan_to_none  # noqa: E402
 from fashion_mnist import pytorch_default_initializer  # noqa: E402
 from fashion_mnist import save_figures  # noqa: E402
+from fashion_mnist import set_dtype_policy  # noqa: E402
 from fashion_mnist import train_model  # noqa: E402
 
 NUM_CLASSES = 10
@@ -134,7 +136,6 @@ RECIPES = {
 }
 LEARNING_RATE = 0.05
 SGD_MOMENTUM = 0.9
-MIXED_PRECISION_POLICIES = ("none", "mixed_float16", "mixed_bfloat16")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -569,12 +570,6 @@ def build_model(args, steps_per_epoch: int, seed: int) -> keras.Model:
     if args.model == "duq":
         return build_duq_model(args, steps_per_epoch, seed)
     return build_softmax_model(args, steps_per_epoch)
-
-
-def set_dtype_policy(mixed_precision: str):
-    keras.mixed_precision.set_global_policy(
-        "float32" if mixed_precision == "none" else mixed_precision
-    )
 
 
 # ------------------------------------------------------------------ data

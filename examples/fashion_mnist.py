@@ -47,6 +47,7 @@ SGD_MOMENTUM = 0.9
 # The learning rate is divided by 5 after every 10 epochs (epochs 10 and 20).
 LR_DECAY_FACTOR = 5.0
 LR_DECAY_EVERY_EPOCHS = 10
+MIXED_PRECISION_POLICIES = ("none", "mixed_float16", "mixed_bfloat16")
 
 
 def pytorch_default_initializer() -> keras.initializers.Initializer:
@@ -152,6 +153,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--jit-compile", choices=("auto", "true", "false"), default="auto",
         help="XLA compilation, passed to `Model.compile` (auto: Keras's choice, "
         "XLA on GPUs, not on CPUs).",
+    )
+    parser.add_argument(
+        "--mixed-precision", nargs="?", const="mixed_float16", default="none",
+        choices=MIXED_PRECISION_POLICIES,
+        help="Keras dtype policy for the backbone ('--mixed-precision' alone: "
+        "mixed_float16). DUQ's head always computes in float32.",
     )
     parser.add_argument("--verbose", type=int, default=2, choices=(0, 1, 2))
     args = parser.parse_args(argv)
@@ -309,10 +316,18 @@ def build_model(args, steps_per_epoch: int, seed: int) -> keras.Model:
     a new process, so members can be trained in separate processes.
     """
     keras.backend.clear_session()
+    # After `clear_session`, which resets the dtype policy.
+    set_dtype_policy(args.mixed_precision)
     keras.utils.set_random_seed(seed)
     if args.model == "duq":
         return build_duq_model(args, steps_per_epoch)
     return build_softmax_model(args, steps_per_epoch)
+
+
+def set_dtype_policy(mixed_precision: str):
+    keras.mixed_precision.set_global_policy(
+        "float32" if mixed_precision == "none" else mixed_precision
+    )
 
 
 def jit_compile_argument(args):
@@ -516,6 +531,15 @@ def save_figures(output_dir, label, in_certainty, ood_certainty, curve, method,
 def main(argv=None) -> dict:
     """Runs the experiment; returns the dict written to `results.json`."""
     args = parse_args(argv)
+    previous_policy = keras.mixed_precision.global_policy()
+    try:
+        return _run(args)
+    finally:
+        # Leave the process as it was (tests call `main` in-process).
+        keras.mixed_precision.set_global_policy(previous_policy)
+
+
+def _run(args) -> dict:
     start = time.perf_counter()
     os.makedirs(args.output_dir, exist_ok=True)
     keras.utils.set_random_seed(args.seed)
@@ -579,6 +603,7 @@ def main(argv=None) -> dict:
             "wall_time_s": time.perf_counter() - start,
             "settings": vars(args),
             "versions": {
+                "backend": keras.backend.backend(),
                 "keras": keras.__version__,
                 "keras_duq": keras_duq.__version__,
             },

@@ -10,6 +10,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import keras
 import numpy as np
 import pytest
 
@@ -125,6 +126,22 @@ def test_duq_model_settings():
     assert example.build_duq_model(
         example.parse_args(["--bce-epsilon", "1e-12"]), steps_per_epoch=4
     ).bce_epsilon == 1e-12
+
+
+def test_mixed_precision_policy_applies_to_the_backbone_only():
+    example = _import_example()
+    assert example.parse_args(["--mixed-precision"]).mixed_precision == "mixed_float16"
+    args = example.parse_args(["--mixed-precision", "mixed_bfloat16"])
+    try:
+        model = example.build_model(args, steps_per_epoch=4, seed=0)
+        convolution = next(
+            layer for layer in model._flatten_layers() if isinstance(layer, keras.layers.Conv2D)
+        )
+        assert convolution.compute_dtype == "bfloat16"
+        assert model.duq_output.compute_dtype == "float32"
+        assert model.predict(np.zeros((2, 28, 28, 1), "float32"), verbose=0).dtype == "float32"
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
 
 
 def test_seed_fixes_the_initial_weights():
