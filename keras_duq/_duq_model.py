@@ -228,6 +228,12 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
     def make_test_function(self, force=False):
         return _trainer().make_function(self, super().make_test_function, force)
 
+    def jax_state_sync(self):
+        # JAX only. Keras calls it after every epoch and evaluation; the
+        # last step's error code is read here (see `_jax_trainer`).
+        super().jax_state_sync()
+        _trainer().check_pending_errors(self)
+
     # On TensorFlow, in-memory arrays reach Keras as the same batches in a
     # pipeline without tf.data's autotuning (`quiet_array_inputs`).
 

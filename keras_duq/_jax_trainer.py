@@ -18,9 +18,10 @@ training step:
    computes an error code (labels out of range or fractional, non-finite
    inputs, a non-finite loss, gradient or centroid update) and, when it is
    not zero, returns the state it received, unchanged. The code is carried in
-   a metric variable, so every later step of the same `steps_per_execution`
-   call is a no-op too; `make_function`'s wrapper reads it after the call,
-   puts the (unchanged) state back into the model's variables and raises.
+   a metric variable, so every later step of the same epoch is a no-op too;
+   `make_function`'s wrapper reads it (every few calls, and at the end of the
+   epoch), puts the (unchanged) state back into the model's variables and
+   raises.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ from keras_duq._validation import standardize_inputs
 
 # The log key (and metric name) that carries a step's error code.
 ERROR_LOG = "duq_error_code"
+# A train or test call's error code is read every this many calls.
+CHECK_EVERY = 8
 _LABEL_RANGE, _FRACTIONAL_LABEL, _NON_FINITE_INPUT = 1, 2, 3
 _NON_FINITE_STEP, _NON_FINITE_CENTROIDS = 4, 5
 
@@ -169,27 +172,61 @@ def test_step(model, state, data):
 
 
 def make_function(model, make, force):
-    """Keras's train/test function, wrapped to raise on a step's error code."""
+    """Keras's train/test function, wrapped to raise on a step's error code.
+
+    Reading an error code is a device-to-host transfer, and reading it right
+    after the call waits for the step to finish, so the host cannot prepare
+    the next one meanwhile. The code a call returns is the first error of
+    the epoch so far (the metric keeps it), so the newest one says it all:
+    the wrapper reads one every `CHECK_EVERY` calls, the previous call's,
+    which is most likely done. Waiting that long is safe because after an
+    error every later step is a no-op: the state a later call returns is
+    still the one the failed step received. The last call's code is read by
+    `check_pending_errors`, which `DUQModel.jax_state_sync` calls at the end
+    of every epoch and evaluation. `benchmarks/jax_error_check.py` measures
+    the difference.
+    """
     make(force)
     attribute = "train_function" if make.__name__ == "make_train_function" else "test_function"
     function = getattr(model, attribute)
     if function is None or getattr(function, "_duq_checked", False):
         return function
+    pending = _pending(model, attribute)
 
     def checked(state, *args, **kwargs):
         logs, new_state = function(state, *args, **kwargs)
-        code = int(logs.pop(ERROR_LOG, 0))
-        if code:
-            # The state is the one the failed step received: put it back
-            # into the variables (Keras holds it outside them during `fit`).
-            _assign_state(model, new_state, training=attribute == "train_function")
-            _compat.mark_state_restored(model)
-            raise ValueError(error_message(code, model.num_classes))
+        previous, pending["code"] = pending["code"], logs.pop(ERROR_LOG, 0)
+        pending["calls"] += 1
+        if pending["calls"] >= CHECK_EVERY and previous is not None:
+            pending["calls"] = 0
+            code = int(previous)
+            if code:
+                pending["code"] = None
+                # Keras holds the state outside the variables during `fit`:
+                # put the (unchanged) state back into them.
+                _assign_state(model, new_state, training=attribute == "train_function")
+                _compat.mark_state_restored(model)
+                raise ValueError(error_message(code, model.num_classes))
         return logs, new_state
 
     checked._duq_checked = True
     setattr(model, attribute, checked)
     return checked
+
+
+def check_pending_errors(model):
+    """Raises the last call's error, once the model's variables hold the state."""
+    for attribute in ("train_function", "test_function"):
+        pending = _pending(model, attribute)
+        code, pending["code"], pending["calls"] = pending["code"], None, 0
+        if code is not None and int(code):
+            raise ValueError(error_message(int(code), model.num_classes))
+
+
+def _pending(model, attribute):
+    # Outside Keras's attribute tracking; one record per function.
+    records = model.__dict__.setdefault("_duq_pending_errors", {})
+    return records.setdefault(attribute, {"code": None, "calls": 0})
 
 
 # ------------------------------------------------------------------ pieces

@@ -168,6 +168,27 @@ def test_bad_batches_raise_before_any_state_changes():
             results["evaluate"] = str(error)
         model.fit(x, y, batch_size=32, epochs=1, verbose=0)  # still trains
         results["trains_on"] = not all(np.array_equal(a, b) for a, b in zip(before, state(model)))
+
+        # The error code is read every few calls: a bad 4th batch of 20 must
+        # still leave the model as 3 good steps leave it.
+        x, y = data(n=640)
+        x_bad = x.copy(); x_bad[100, 0, 0, 0] = np.nan
+        clean = make_model()
+        clean.fit(x[:96], y[:96], batch_size=32, epochs=1, verbose=0, shuffle=False)
+        model = make_model()
+        try:
+            model.fit(x_bad, y, batch_size=32, epochs=1, verbose=0, shuffle=False)
+            results["late"] = None
+        except ValueError as error:
+            results["late"] = str(error)
+        results["late_state"] = max(
+            float(np.abs(a - b).max()) for a, b in zip(state(clean), state(model))
+        )
+        try:
+            model.evaluate(x_bad, y, batch_size=32, verbose=0)
+            results["late_evaluate"] = None
+        except ValueError as error:
+            results["late_evaluate"] = str(error)
         print(json.dumps(results))
     """)
     expected = {
@@ -179,6 +200,8 @@ def test_bad_batches_raise_before_any_state_changes():
         assert out[name]["finite"], name
     assert out["unchanged"] and out["trains_on"]
     assert "fractional" in out["evaluate"]
+    assert "NaN" in out["late"] and "NaN" in out["late_evaluate"]
+    assert out["late_state"] == 0.0
 
 
 def test_tensorflow_and_jax_agree_after_three_steps(tmp_path):
