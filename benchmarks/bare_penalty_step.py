@@ -195,6 +195,16 @@ def profile(traces=3):
     print(f"op time per step (sum over ops, ms): {total:.1f}")
     for op, ms in by_type.most_common(20):
         print(f"  {op:34s} {ms:7.1f} ms  {100 * ms / total:5.1f}%")
+    groups = collections.Counter()
+    for op, ms in by_type.items():
+        group = next(
+            (name for key, name in (("Conv2D", "convolutions"), ("MaxPool", "max pooling"),
+                                    ("MatMul", "matrix products")) if key in op),
+            "element-wise ops and reductions (batch norm's, ReLU's, the head's)",
+        )
+        groups[group] += ms
+    for group, ms in groups.most_common():
+        print(f"{group}: {ms:.1f} ms, {100 * ms / total:.1f}%")
 
 
 def main():

@@ -47,11 +47,23 @@ def state(model):
 """
 
 
-def _run(script, backend="jax", extra_env=None, timeout=300):
+# After the prelude: any later `import tensorflow` fails, as where it is not installed.
+_BLOCK_TENSORFLOW = """
+import importlib.abc
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] == "tensorflow":
+            raise ImportError("blocked: " + name)
+sys.meta_path.insert(0, Block())
+"""
+
+
+def _run(script, backend="jax", extra_env=None, timeout=300, block_tensorflow=False):
     env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
     env.update(extra_env or {})
+    prelude = _PRELUDE + (_BLOCK_TENSORFLOW if block_tensorflow else "")
     result = subprocess.run(
-        [sys.executable, "-c", _PRELUDE + textwrap.dedent(script)],
+        [sys.executable, "-c", prelude + textwrap.dedent(script)],
         capture_output=True, text=True, env=env, timeout=timeout,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
@@ -60,12 +72,6 @@ def _run(script, backend="jax", extra_env=None, timeout=300):
 
 def test_imports_and_trains_without_tensorflow(tmp_path):
     out = _run(f"""
-        import importlib.abc
-        class Block(importlib.abc.MetaPathFinder):
-            def find_spec(self, name, path, target=None):
-                if name.split(".")[0] == "tensorflow":
-                    raise ImportError("blocked: " + name)
-        sys.meta_path.insert(0, Block())
         model = make_model()
         x, y = data()
         history = model.fit(x, y, batch_size=32, epochs=2, verbose=0,
@@ -83,7 +89,7 @@ def test_imports_and_trains_without_tensorflow(tmp_path):
             kernel_range=[float(expected.min()), float(expected.max())],
             tensorflow=any(m.split(".")[0] == "tensorflow" for m in sys.modules),
         )))
-    """)
+    """, block_tensorflow=True)
     assert not out["tensorflow"]
     history = out["history"]
     assert {"loss", "bce", "gradient_penalty", "accuracy", "val_loss"} <= set(history)
@@ -98,12 +104,7 @@ def test_fashion_mnist_example_runs_without_tensorflow(tmp_path, mnist_dir, fash
     # The GPU machine has JAX but no TensorFlow: the example's data pipeline
     # (`make_dataset`) and OoD callback must work without it.
     out = _run(f"""
-        import importlib.abc, runpy
-        class Block(importlib.abc.MetaPathFinder):
-            def find_spec(self, name, path, target=None):
-                if name.split(".")[0] == "tensorflow":
-                    raise ImportError("blocked: " + name)
-        sys.meta_path.insert(0, Block())
+        import runpy
         pipeline = type(keras_duq.datasets.make_dataset(np.zeros((4, 2)), batch_size=2))
         example = runpy.run_path({str(EXAMPLES / "fashion_mnist.py")!r})
         results = example["main"]([
@@ -120,7 +121,7 @@ def test_fashion_mnist_example_runs_without_tensorflow(tmp_path, mnist_dir, fash
             auroc=results["auroc"],
             tensorflow=any(m.split(".")[0] == "tensorflow" for m in sys.modules),
         )))
-    """)
+    """, block_tensorflow=True)
     assert not out["tensorflow"]
     assert out["pipeline"] == "_ArrayBatches"
     assert len(out["history"]["loss"]) == 2 and np.all(np.isfinite(out["history"]["loss"]))
