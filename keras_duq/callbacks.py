@@ -169,7 +169,7 @@ class OODEvaluation(keras.callbacks.Callback):
 
 def _check_data(name, data):
     if _is_dataset(data):
-        if isinstance(data, keras.utils.PyDataset) and _num_batches(data) is None:
+        if isinstance(data, keras.utils.PyDataset) and data.num_batches is None:
             raise ValueError(
                 f"`{name}` is an endless `keras.utils.PyDataset`; evaluation "
                 "needs a finite one (e.g. `make_dataset(..., repeat=False)`)."
@@ -212,14 +212,7 @@ def _is_dataset(data):
     return tf is not None and isinstance(data, tf.data.Dataset)
 
 
-def _num_batches(dataset):
-    try:
-        return dataset.num_batches  # None: endless
-    except AttributeError:  # Keras older than `PyDataset.num_batches`
-        return len(dataset)
-
-
 def _elements(data):
     if not isinstance(data, keras.utils.PyDataset):
         return iter(data)
-    return (data[index] for index in range(_num_batches(data)))
+    return (data[index] for index in range(data.num_batches))
