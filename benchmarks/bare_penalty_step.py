@@ -19,7 +19,14 @@ ways (`--check` prints how far each one's weight gradients are from
   textbook formula (two reductions), recomputing the statistics from the
   input so that the second derivative stays exact.
 
-    python benchmarks/bare_penalty_step.py             # all five, alternating
+A sixth, `jvp`, keeps `exact`'s batch norm but changes the order of
+differentiation: reverse over forward instead of reverse over reverse. The
+penalty's weight gradient is the weight gradient of the directional
+derivative of `sum_c K_c` along d(penalty)/d(input gradient), held fixed; a
+`tf.autodiff.ForwardAccumulator` gives that directional derivative and the
+outer tape differentiates it. Exact, with a different operation graph.
+
+    python benchmarks/bare_penalty_step.py             # all six, alternating
     python benchmarks/bare_penalty_step.py exact fused # only these
     python benchmarks/bare_penalty_step.py --profile   # `exact`'s time by op type
     python benchmarks/bare_penalty_step.py --check     # gradients vs `exact`
@@ -38,7 +45,7 @@ import subprocess
 import sys
 import time
 
-MODES = ("exact", "stopgrad", "fused", "xla_bn", "custom_bn")
+MODES = ("exact", "stopgrad", "fused", "xla_bn", "custom_bn", "jvp")
 BATCH, EPSILON, LENGTH_SCALE, LAMBDA = 128, 1e-5, 0.1, 0.05
 
 
@@ -101,7 +108,9 @@ def build(tf, mode):
         if mode == "stopgrad":
             mean, variance = tf.nn.moments(x, [0, 1, 2], keepdims=True)
             return tf.nn.batch_normalization(x, mean, variance, beta, gamma, EPSILON)
-        return {"exact": exact, "xla_bn": compiled, "custom_bn": compact}[mode](x, gamma, beta)
+        if mode in ("exact", "jvp"):
+            return exact(x, gamma, beta)
+        return {"xla_bn": compiled, "custom_bn": compact}[mode](x, gamma, beta)
 
     def kernel_values(x):
         for (kernel, bias), (gamma, beta), padding in zip(convs, norms, ("SAME", "SAME", "VALID")):
@@ -122,12 +131,32 @@ def build(tf, mode):
             bce = tf.reduce_mean(tf.keras.losses.binary_crossentropy(y, kernels))
             loss = bce + LAMBDA * tf.reduce_mean((norm - 1) ** 2)
         gradients = outer.gradient(loss, variables)
+        return loss, gradients, [v.assign_sub(0.001 * g) for v, g in zip(variables, gradients)]
+
+    def reverse_over_forward(x, y):
+        with tf.GradientTape() as inner:
+            inner.watch(x)
+            total = tf.reduce_sum(kernel_values(x))
+        gradient = tf.reshape(inner.gradient(total, x), (BATCH, -1))
+        norm = tf.sqrt(tf.reduce_sum(gradient**2, 1, keepdims=True) + 1e-12)
+        penalty = LAMBDA * tf.reduce_mean((norm - 1) ** 2)
+        # d penalty / d gradient, held fixed: the penalty's weight gradient is
+        # the weight gradient of the directional derivative along it.
+        direction = tf.reshape(2 * LAMBDA / BATCH * (norm - 1) / norm * gradient, tf.shape(x))
+        with tf.GradientTape() as outer:
+            with tf.autodiff.ForwardAccumulator(x, direction) as forward:
+                kernels = kernel_values(x)
+                total = tf.reduce_sum(kernels)
+            bce = tf.reduce_mean(tf.keras.losses.binary_crossentropy(y, kernels))
+            surrogate = bce + forward.jvp(total)
+        gradients = outer.gradient(surrogate, variables)
+        loss = bce + penalty
         updates = [v.assign_sub(0.001 * g) for v, g in zip(variables, gradients)]
         return loss, gradients, updates
 
     x = tf.constant(rng.normal(size=(BATCH, 28, 28, 1)).astype("float32"))
     y = tf.one_hot(rng.integers(0, 10, BATCH), 10)
-    return step, x, y, variables
+    return (reverse_over_forward if mode == "jvp" else step), x, y, variables
 
 
 def time_mode(mode, steps):
