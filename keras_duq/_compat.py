@@ -29,6 +29,11 @@ behaviour degrades with one warning instead of failing.
    autotuning off (see `_tensorflow_trainer.quiet_array_inputs`). Degrades
    to: Keras's own pipeline, whose whole `fit` can take up to twice its
    steps' time.
+5. `all_layers(layer)`: every layer nested in `layer`, also inside a user's
+   own `Layer` subclasses, which the public `Model.layers` does not list
+   (`Layer._flatten_layers`). Degrades to: walking `.layers` only, so the
+   finiteness guard would not restore a `SpectralNormalization` kernel
+   inside a custom layer.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ _MOMENTS_MODULE = "keras.src.backend.tensorflow.nn"
 _MOMENTS_NAME = "_compute_moments"
 _ARRAY_ADAPTER_MODULE = "keras.src.trainers.data_adapters.array_data_adapter"
 _ARRAY_SLICING_MODULE = "keras.src.trainers.data_adapters.array_slicing"
+_FLATTEN_LAYERS = "_flatten_layers"
 
 _lock = threading.Lock()
 _depth = 0
@@ -136,6 +142,23 @@ def mark_state_restored(model):
             "keras_duq could not find the JAX trainer's `_jax_state_synced`; "
             "after a rejected batch the model's variables may be unusable.",
         )
+
+
+def all_layers(layer):
+    """`layer` and every layer nested in it, at any depth."""
+    flatten = getattr(layer, _FLATTEN_LAYERS, None)
+    if flatten is not None:
+        return flatten(include_self=True, recursive=True)
+    _warn_once(
+        "layers",
+        "keras_duq could not find Keras's `Layer._flatten_layers`; layers "
+        "nested inside custom layers are not searched for "
+        "SpectralNormalization when a bad batch is rolled back.",
+    )
+    found = [layer]
+    for child in getattr(layer, "layers", ()):
+        found.extend(all_layers(child))
+    return found
 
 
 def batch_moments_supported() -> bool:

@@ -347,15 +347,9 @@ def _layer_state(model):
     ]
     return state + [
         layer.kernel
-        for layer in _nested_layers(model.feature_extractor)
+        for layer in _compat.all_layers(model.feature_extractor)
         if isinstance(layer, keras.layers.SpectralNormalization)
     ]
-
-
-def _nested_layers(layer):
-    yield layer
-    for child in getattr(layer, "layers", ()):
-        yield from _nested_layers(child)
 
 
 def _restore_unless(condition, variables, saved):

@@ -14,7 +14,7 @@ from keras_duq import _compat
 
 PACKAGE = Path(keras_duq.__file__).parent
 PRIVATE_KERAS = re.compile(
-    r"keras\.src|_keras_history|_jit_compile|_loss_tracker|_symbolic_build|_compute_moments|_jax_state"
+    r"keras\.src|_keras_history|_jit_compile|_loss_tracker|_symbolic_build|_compute_moments|_jax_state|_flatten_layers"
 )
 
 
@@ -62,6 +62,29 @@ def test_a_moved_array_adapter_degrades_to_keras_own_pipeline(monkeypatch):
         )
     assert len(history.history["val_loss"]) == 2
     assert model.predict(x, verbose=0).shape == (64, 2)
+
+
+def test_all_layers_finds_layers_inside_custom_layers_and_degrades_to_public_layers(monkeypatch):
+    class Block(keras.layers.Layer):
+        def __init__(self):
+            super().__init__()
+            self.inner = keras.layers.Dense(4)
+
+        def call(self, x):
+            return self.inner(x)
+
+    block = Block()
+    nested = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4)])
+    model = keras.Sequential([keras.Input((3,)), block, nested])
+    found = _compat.all_layers(model)
+    assert block.inner in found and nested.layers[0] in found
+
+    monkeypatch.setattr(_compat, "_FLATTEN_LAYERS", "_name_keras_no_longer_has")
+    monkeypatch.setattr(_compat, "_warned", set())
+    with pytest.warns(RuntimeWarning, match="SpectralNormalization"):
+        found = _compat.all_layers(model)
+    assert nested.layers[0] in found and block in found
+    assert block.inner not in found
 
 
 def test_import_needs_neither_matplotlib_nor_scikit_learn():

@@ -982,13 +982,31 @@ def test_failed_step_keeps_batch_norm_statistics():
     _assert_state_equal(model, state)
 
 
-def test_failed_step_keeps_spectral_normalization_kernels():
+class _SpectralBlock(keras.layers.Layer):
+    """A custom layer (not a Model) that owns a SpectralNormalization."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.normalized = _spectral_dense()
+
+    def call(self, x):
+        return self.normalized(x)
+
+
+def _spectral_dense():
+    initializer = keras.initializers.RandomNormal(stddev=3.0)
+    return keras.layers.SpectralNormalization(keras.layers.Dense(8, kernel_initializer=initializer))
+
+
+@pytest.mark.parametrize("placement", ["in_model", "in_custom_layer"])
+def test_failed_step_keeps_spectral_normalization_kernels(placement):
     # Keras's SpectralNormalization writes the normalised kernel into the
-    # (trainable) kernel during the forward pass; a rejected step must undo it.
+    # (trainable) kernel during the forward pass; a rejected step must undo it,
+    # also where the wrapper sits inside a user's own layer.
     keras.utils.set_random_seed(0)
     inputs = keras.Input((4,))
-    dense = keras.layers.Dense(8, kernel_initializer=keras.initializers.RandomNormal(stddev=3.0))
-    features = keras.layers.SpectralNormalization(dense)(inputs)
+    layer = _spectral_dense() if placement == "in_model" else _SpectralBlock()
+    features = layer(inputs)
     model = keras_duq.DUQModel(
         inputs, keras_duq.DUQOutput(2, length_scale=0.1)(features), gradient_penalty=1.0
     )
