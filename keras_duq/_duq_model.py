@@ -6,6 +6,7 @@ import importlib
 import inspect
 
 import keras
+import numpy as np
 from keras import ops
 
 from keras_duq import _compat
@@ -14,6 +15,8 @@ from keras_duq._duq_output import DUQOutput
 from keras_duq._validation import check_non_negative
 from keras_duq._validation import check_positive_int
 from keras_duq._validation import is_float
+from keras_duq._validation import label_dtype_message
+from keras_duq._validation import own_loss_message
 
 # One training-step module per backend; only the one in use is imported, so
 # keras_duq imports without TensorFlow on the JAX backend.
@@ -234,15 +237,30 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
         super().jax_state_sync()
         _trainer().check_pending_errors(self)
 
+    def compile(self, optimizer="rmsprop", loss=None, *args, **kwargs):
+        if loss is not None:
+            raise ValueError(own_loss_message(loss))
+        super().compile(optimizer, None, *args, **kwargs)
+
+    def compile_from_config(self, config):
+        # Keras does not restore the compilation of models that override
+        # `compile` (it cannot know what the override needs); this one only
+        # adds a check, so loading compiles as Keras's own would.
+        self.compile(**keras.saving.deserialize_keras_object(config))
+        if self.built:
+            self.optimizer.build(self.trainable_variables)
+
     # On TensorFlow, in-memory arrays reach Keras as the same batches in a
     # pipeline without tf.data's autotuning (`quiet_array_inputs`).
 
     def fit(self, *args, **kwargs):
-        args, kwargs = _arguments_for(super().fit, "fit", args, kwargs)
+        args, kwargs = _arguments_for(super().fit, "fit", args, kwargs, self.num_classes)
         return super().fit(*args, **kwargs)
 
     def evaluate(self, *args, **kwargs):
-        args, kwargs = _arguments_for(super().evaluate, "evaluate", args, kwargs)
+        args, kwargs = _arguments_for(
+            super().evaluate, "evaluate", args, kwargs, self.num_classes
+        )
         return super().evaluate(*args, **kwargs)
 
     def predict(self, *args, **kwargs):
@@ -282,12 +300,8 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
 
     def _check_batch_structure(self, y):
         """Errors that need no tensor values, raised while the step is traced."""
-        if self.loss is not None:
-            raise ValueError(
-                "DUQModel computes its own loss (binary cross-entropy on the "
-                "kernel values plus the gradient penalty). Remove `loss` from "
-                f"`compile()`. Received: `loss={self.loss!r}`"
-            )
+        if self.loss is not None:  # set after `compile`
+            raise ValueError(own_loss_message(self.loss))
         if y is None:
             raise ValueError(
                 "DUQModel needs labels to train and evaluate: pass `y` (or a "
@@ -418,10 +432,12 @@ def _trainer():
     return importlib.import_module(_TRAINERS[backend])
 
 
-def _arguments_for(method, name, args, kwargs):
-    """`args` and `kwargs` of the Keras `method` by name; on TensorFlow, arrays made quiet."""
-    if keras.backend.backend() != "tensorflow":
-        return args, kwargs
+def _arguments_for(method, name, args, kwargs, num_classes=None):
+    """`args` and `kwargs` of the Keras `method` by name; on TensorFlow, arrays made quiet.
+
+    In-memory labels that are not numbers (strings, objects) are rejected
+    here, before Keras's data adapter fails on them with a bare dtype error.
+    """
     signature = inspect.signature(method)
     bound = signature.bind(*args, **kwargs)
     bound.apply_defaults()
@@ -431,7 +447,25 @@ def _arguments_for(method, name, args, kwargs):
             arguments.update(value)
         else:
             arguments[parameter] = value
+    if name != "predict":
+        validation = arguments.get("validation_data")
+        if isinstance(validation, (tuple, list)):
+            validation = keras.utils.unpack_x_y_sample_weight(tuple(validation))[1]
+        for labels in (arguments.get("y"), validation):
+            dtype = _array_dtype(labels)
+            if dtype is not None and dtype.kind not in "iuf":
+                raise ValueError(label_dtype_message(num_classes, dtype))
+    if keras.backend.backend() != "tensorflow":
+        return (), arguments
     return (), _trainer().quiet_array_inputs(name, arguments)
+
+
+def _array_dtype(labels):
+    """The NumPy dtype of in-memory labels (arrays, lists, pandas), else None."""
+    if isinstance(labels, list):
+        return np.asarray(labels).dtype
+    dtype = getattr(labels, "dtype", None)
+    return dtype if isinstance(dtype, np.dtype) else None
 
 
 def _find_duq_output(inputs, outputs):

@@ -85,6 +85,14 @@ def label_shape_message(num_classes: int, shape) -> str:
     )
 
 
+def own_loss_message(loss) -> str:
+    return (
+        "DUQModel computes its own loss (binary cross-entropy on the kernel "
+        "values plus the gradient penalty). Remove `loss` from `compile()`. "
+        f"Received: `loss={loss!r}`"
+    )
+
+
 def label_dtype_message(num_classes: int, dtype) -> str:
     return (
         f"Expected numeric labels: {_label_formats(num_classes)}. Received: "

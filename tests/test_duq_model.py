@@ -810,12 +810,51 @@ def test_backup_and_restore_resumes_exactly(tmp_path):
 # ----------------------------------------------------------------- errors
 
 
-def test_loss_in_compile_is_rejected():
+def test_loss_in_compile_is_rejected_at_compile():
     model = _model()
-    model.compile(optimizer="sgd", loss="mse")
-    x, y = _data()
+    with pytest.raises(ValueError, match="Remove `loss`.*Received: `loss='mse'`"):
+        model.compile(optimizer="sgd", loss="mse")
     with pytest.raises(ValueError, match="Remove `loss`"):
-        model.fit(x, y, epochs=1, verbose=0)
+        model.compile("sgd", "mse")
+    model.compile(optimizer="sgd")
+    x, y = _data()
+    assert np.isfinite(model.fit(x, y, epochs=1, verbose=0).history["loss"]).all()
+
+
+def test_loaded_model_is_compiled_as_saved(tmp_path):
+    # DUQModel overrides `compile`, which makes Keras skip the compilation on
+    # load unless the model restores it itself.
+    model = _model()
+    top_2 = keras.metrics.SparseTopKCategoricalAccuracy(k=2, name="top_2")
+    model.compile(optimizer=keras.optimizers.Adam(0.003), metrics=[top_2])
+    x, y = _data()
+    model.fit(x, y, epochs=1, verbose=0)
+    model.save(tmp_path / "model.keras")
+    loaded = keras.models.load_model(tmp_path / "model.keras")
+    assert isinstance(loaded.optimizer, keras.optimizers.Adam)
+    assert float(np.asarray(loaded.optimizer.learning_rate)) == pytest.approx(0.003)
+    for a, b in zip(model.optimizer.variables, loaded.optimizer.variables):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    logs = loaded.evaluate(x, y, return_dict=True, verbose=0)
+    assert logs["top_2"] == pytest.approx(model.evaluate(x, y, return_dict=True, verbose=0)["top_2"])
+
+
+@pytest.mark.parametrize("route", ["y", "list", "validation_data", "evaluate"])
+def test_non_numeric_labels_get_a_clear_error(route):
+    model = _compiled()
+    x, y = _data()
+    names = np.array(["a", "b", "c"])[y]
+    state = _state(model)
+    with pytest.raises(ValueError, match=r"Expected numeric labels.*Received: labels of dtype <U1"):
+        if route == "y":
+            model.fit(x, names, epochs=1, verbose=0)
+        elif route == "list":
+            model.fit(x, list(names), epochs=1, verbose=0)
+        elif route == "validation_data":
+            model.fit(x, y, validation_data=(x, names), epochs=1, verbose=0)
+        else:
+            model.evaluate(x, names, verbose=0)
+    _assert_state_equal(model, state)
 
 
 @pytest.mark.parametrize(
