@@ -463,7 +463,10 @@ def _arguments_for(method, name, args, kwargs, num_classes=None):
 def _array_dtype(labels):
     """The NumPy dtype of in-memory labels (arrays, lists, pandas), else None."""
     if isinstance(labels, list):
-        return np.asarray(labels).dtype
+        try:
+            return np.asarray(labels).dtype
+        except ValueError:  # ragged: Keras's adapter reports it
+            return None
     dtype = getattr(labels, "dtype", None)
     return dtype if isinstance(dtype, np.dtype) else None
 
