@@ -238,6 +238,17 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
         _trainer().check_pending_errors(self)
 
     def compile(self, optimizer="rmsprop", loss=None, *args, **kwargs):
+        """Configures training as `keras.Model.compile` does, without a `loss`.
+
+        The DUQ loss is built in; passing `loss` raises. Metrics receive the
+        kernel values as `y_pred`.
+
+        Example:
+
+        ```python
+        model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9))
+        ```
+        """
         if loss is not None:
             raise ValueError(own_loss_message(loss))
         super().compile(optimizer, None, *args, **kwargs)
