@@ -120,39 +120,43 @@ def build(tf, mode):
         z = tf.reshape(x @ projection, (-1, 256, 10))
         return tf.exp(-tf.reduce_mean((z - centroids) ** 2, 1) / (2 * LENGTH_SCALE**2))
 
+    def bce_of(y, kernels):
+        return tf.reduce_mean(tf.keras.losses.binary_crossentropy(y, kernels))
+
+    def penalty_of(gradient):
+        norm = tf.sqrt(tf.reduce_sum(tf.reshape(gradient, (BATCH, -1)) ** 2, 1) + 1e-12)
+        return LAMBDA * tf.reduce_mean((norm - 1) ** 2)
+
+    def sgd(loss, gradients):
+        return loss, gradients, [v.assign_sub(0.001 * g) for v, g in zip(variables, gradients)]
+
     def step(x, y):
         with tf.GradientTape() as outer:
             with tf.GradientTape() as inner:
                 inner.watch(x)
                 kernels = kernel_values(x)
                 total = tf.reduce_sum(kernels)
-            gradient = inner.gradient(total, x)
-            norm = tf.sqrt(tf.reduce_sum(tf.reshape(gradient, (BATCH, -1)) ** 2, 1) + 1e-12)
-            bce = tf.reduce_mean(tf.keras.losses.binary_crossentropy(y, kernels))
-            loss = bce + LAMBDA * tf.reduce_mean((norm - 1) ** 2)
-        gradients = outer.gradient(loss, variables)
-        return loss, gradients, [v.assign_sub(0.001 * g) for v, g in zip(variables, gradients)]
+            loss = bce_of(y, kernels) + penalty_of(inner.gradient(total, x))
+        return sgd(loss, outer.gradient(loss, variables))
 
     def reverse_over_forward(x, y):
         with tf.GradientTape() as inner:
             inner.watch(x)
             total = tf.reduce_sum(kernel_values(x))
-        gradient = tf.reshape(inner.gradient(total, x), (BATCH, -1))
-        norm = tf.sqrt(tf.reduce_sum(gradient**2, 1, keepdims=True) + 1e-12)
-        penalty = LAMBDA * tf.reduce_mean((norm - 1) ** 2)
-        # d penalty / d gradient, held fixed: the penalty's weight gradient is
-        # the weight gradient of the directional derivative along it.
-        direction = tf.reshape(2 * LAMBDA / BATCH * (norm - 1) / norm * gradient, tf.shape(x))
+        gradient = inner.gradient(total, x)
+        with tf.GradientTape() as penalty_tape:
+            penalty_tape.watch(gradient)
+            penalty = penalty_of(gradient)
+        # With d(penalty)/d(gradient) held fixed, the penalty's weight
+        # gradient is the weight gradient of the directional derivative along it.
+        direction = penalty_tape.gradient(penalty, gradient)
         with tf.GradientTape() as outer:
             with tf.autodiff.ForwardAccumulator(x, direction) as forward:
                 kernels = kernel_values(x)
                 total = tf.reduce_sum(kernels)
-            bce = tf.reduce_mean(tf.keras.losses.binary_crossentropy(y, kernels))
+            bce = bce_of(y, kernels)
             surrogate = bce + forward.jvp(total)
-        gradients = outer.gradient(surrogate, variables)
-        loss = bce + penalty
-        updates = [v.assign_sub(0.001 * g) for v, g in zip(variables, gradients)]
-        return loss, gradients, updates
+        return sgd(bce + penalty, outer.gradient(surrogate, variables))
 
     x = tf.constant(rng.normal(size=(BATCH, 28, 28, 1)).astype("float32"))
     y = tf.one_hot(rng.integers(0, 10, BATCH), 10)

@@ -240,8 +240,14 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
     def compile(self, optimizer="rmsprop", loss=None, *args, **kwargs):
         """Configures training as `keras.Model.compile` does, without a `loss`.
 
-        The DUQ loss is built in; passing `loss` raises. Metrics receive the
-        kernel values as `y_pred`.
+        Args:
+            optimizer: as in `keras.Model.compile`.
+            loss: must stay `None`: the DUQ loss (binary cross-entropy on
+                the kernel values plus the gradient penalty) is built in,
+                and any other value raises a `ValueError`.
+            *args, **kwargs: the rest of `keras.Model.compile`'s arguments
+                (`metrics`, `jit_compile`, `steps_per_execution`, ...).
+                Metrics receive the kernel values as `y_pred`.
 
         Example:
 
@@ -311,7 +317,7 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
 
     def _check_batch_structure(self, y):
         """Errors that need no tensor values, raised while the step is traced."""
-        if self.loss is not None:  # set after `compile`
+        if self.loss is not None:  # only if `compile`'s check was bypassed
             raise ValueError(own_loss_message(self.loss))
         if y is None:
             raise ValueError(
