@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# keras_duq's GPU evidence on the JAX backend, one prepared device call per part.
+# keras_duq's GPU evidence on the JAX backend, in one prepared device call.
 #
 # The lent GPU machine has JAX (CUDA), scikit-learn and matplotlib but no
 # TensorFlow or Keras, and no network. Prepare here, once, in the repository
@@ -14,26 +14,37 @@
 #   cp ../shared/data/keras/datasets/fashion-mnist/*.gz .gpu_data/fashion-mnist/
 #   cp ../shared/data/mnist/t10k-*.gz .gpu_data/mnist/
 #
-# Then, with the device tool: run(command="bash benchmarks/gpu_evidence.sh speed",
-# carry=[".whl", ".gpu_data"], timeout_s=...). Parts (several may be given):
+# Then, with the device tool: run(command="BUDGET=560 bash benchmarks/gpu_evidence.sh
+# speed default fm", carry=[".whl", ".gpu_data"], timeout_s=600). Parts, run in
+# the order given:
 #
-#   speed         ms/step through `fit` (benchmarks/jax_speed.py): the paper's
-#                 FashionMNIST CNN and the CIFAR ResNet-18, softmax / DUQ / DUQ
-#                 with the penalty, float32 with matmul precision "highest"
-#                 (no TF32) and mixed_bfloat16; then the CNN at JAX's default
-#                 precision.
-#   fm_float32    examples/fashion_mnist.py, the paper's recipe (30 epochs,
-#   fm_bfloat16   seed $SEED, default 0), float32 ("highest") or mixed_bfloat16.
+#   speed     ms/step through `fit` and predict time (benchmarks/jax_speed.py):
+#             the paper's FashionMNIST CNN, then the CIFAR ResNet-18; softmax /
+#             DUQ / DUQ with the penalty; float32 with matmul precision
+#             "highest" (no TF32) and mixed_bfloat16. At most SPEED_S seconds
+#             (default 240); the JSON keeps every model measured before that.
+#   default   the CNN again at JAX's default precision (TF32 allowed), at most
+#             60 seconds.
+#   fm        examples/fashion_mnist.py, the paper's recipe (30 epochs), for
+#             every seed in SEEDS (default "0 1") in float32 ("highest") and
+#             mixed_bfloat16, all in parallel on the one GPU (their times are
+#             not step timings). Each run logs every epoch, so a run stopped by
+#             the budget still shows how far it got.
 #
-# Everything is logged to $OUT (at most 8 files come back): gpu.txt,
-# jax_speed_*.json, fm_*_results.json and one log per part.
+# BUDGET (seconds, default 3600) bounds the whole script: each part stops at
+# the budget. Everything goes to $OUT (at most 8 files come back): run.log (the
+# GPU, then every part's output, fm's lines prefixed by run), jax_speed_*.json
+# and fm_<policy>_seed<S>.json.
 # SMOKE=1 shrinks every part to a few steps and leaves the ResNet out (a
 # check on a CPU before a lease).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/gpu_evidence_out}"
-SEED="${SEED:-0}"
+SEEDS="${SEEDS:-0 1}"
+BUDGET="${BUDGET:-3600}"
+SPEED_S="${SPEED_S:-240}"
 mkdir -p "$OUT"
+log="$OUT/run.log"
 export KERAS_BACKEND=jax PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 if [ -d .whl ]; then
@@ -48,38 +59,58 @@ mnist=.gpu_data/mnist
 
 {
     nvidia-smi 2>/dev/null || echo "no nvidia-smi"
+    nproc
     python3 -c "import jax, keras; print('jax', jax.__version__, jax.devices()); print('keras', keras.__version__)"
-} > "$OUT/gpu.txt" 2>&1
-cat "$OUT/gpu.txt"
+} 2>&1 | tee "$log"
 
-resnet=--resnet
+networks=(fashion_mnist_cnn cifar_resnet18)
+speed_args=()
+fm_args=()
 if [ "${SMOKE:-0}" = 1 ]; then
-    resnet=  # its penalty step takes minutes on a CPU
+    networks=(fashion_mnist_cnn)  # the ResNet's penalty step takes minutes on a CPU
     speed_args=(--steps 2 --repeats 1)
     fm_args=(--epochs 1 --train-subset 512 --test-subset 512 --ood-eval-every 1)
-else
-    speed_args=()
-    fm_args=()
 fi
 
-fashion_mnist() {  # $1: part name, $2: --mixed-precision value
-    JAX_DEFAULT_MATMUL_PRECISION=highest python3 examples/fashion_mnist.py \
-        --seed "$SEED" --mixed-precision "$2" \
-        --fashion-mnist-path "$data/fashion-mnist" --mnist-path "$mnist" \
-        --output-dir "/tmp/$1" "${fm_args[@]}" 2>&1 | tee "$OUT/$1.log"
-    cp "/tmp/$1/results.json" "$OUT/$1_seed${SEED}_results.json"
+left() {  # seconds of the budget left, less $1
+    echo $(( BUDGET - SECONDS - $1 > 1 ? BUDGET - SECONDS - $1 : 1 ))
 }
 
 for part in "$@"; do
+    echo "== $part at ${SECONDS}s" | tee -a "$log"
     case "$part" in
         speed)
-            python3 benchmarks/jax_speed.py $resnet --matmul-precision highest \
-                --output "$OUT/jax_speed_highest.json" "${speed_args[@]}" 2>&1 | tee "$OUT/speed.log"
-            python3 benchmarks/jax_speed.py --matmul-precision default \
-                --output "$OUT/jax_speed_default.json" "${speed_args[@]}" 2>&1 | tee -a "$OUT/speed.log"
+            limit=$(left 5); [ "$limit" -gt "$SPEED_S" ] && limit=$SPEED_S
+            timeout "$limit" python3 benchmarks/jax_speed.py --networks "${networks[@]}" \
+                --matmul-precision highest --output "$OUT/jax_speed_highest.json" \
+                "${speed_args[@]}" 2>&1 | tee -a "$log"
             ;;
-        fm_float32) fashion_mnist fm_float32 none ;;
-        fm_bfloat16) fashion_mnist fm_bfloat16 mixed_bfloat16 ;;
-        *) echo "unknown part '$part'; expected speed, fm_float32 or fm_bfloat16" >&2; exit 2 ;;
+        default)
+            limit=$(left 5); [ "$limit" -gt 60 ] && limit=60
+            timeout "$limit" python3 benchmarks/jax_speed.py --matmul-precision default \
+                --output "$OUT/jax_speed_default.json" "${speed_args[@]}" 2>&1 | tee -a "$log"
+            ;;
+        fm)
+            # Several processes share the GPU: no process may take most of its memory.
+            export XLA_PYTHON_CLIENT_PREALLOCATE=false
+            limit=$(left 10)
+            for seed in $SEEDS; do
+                for policy in float32 mixed_bfloat16; do
+                    name="fm_${policy#mixed_}_seed$seed"
+                    mp=$policy; [ "$policy" = float32 ] && mp=none
+                    (
+                        JAX_DEFAULT_MATMUL_PRECISION=highest timeout "$limit" \
+                            python3 examples/fashion_mnist.py --seed "$seed" \
+                            --mixed-precision "$mp" --fashion-mnist-path "$data/fashion-mnist" \
+                            --mnist-path "$mnist" --output-dir "/tmp/$name" "${fm_args[@]}" 2>&1 \
+                            | sed -u "s/^/[$name] /" >> "$log"
+                        cp "/tmp/$name/results.json" "$OUT/$name.json"
+                    ) &
+                done
+            done
+            wait
+            ;;
+        *) echo "unknown part '$part'; expected speed, default or fm" >&2; exit 2 ;;
     esac
 done
+echo "== done at ${SECONDS}s" | tee -a "$log"

@@ -1,18 +1,21 @@
 """Training step time on Keras's JAX backend: softmax, DUQ and DUQ with the penalty.
 
 Times `model.fit` steps at batch 128 on random data, side by side in one
-run, for the paper's FashionMNIST CNN and (with `--resnet`) the CIFAR-10
-ResNet-18, in float32 and `mixed_bfloat16`. Made for the GPU machine (no
+run, for the paper's FashionMNIST CNN and the CIFAR-10 ResNet-18 (pick with
+`--networks`), in float32 and `mixed_bfloat16`. Made for the GPU machine (no
 TensorFlow there), and runs on a CPU too:
 
     KERAS_BACKEND=jax python benchmarks/jax_speed.py --output jax_speed.json
-    KERAS_BACKEND=jax python benchmarks/jax_speed.py --resnet --steps 50
+    KERAS_BACKEND=jax python benchmarks/jax_speed.py --networks cifar_resnet18 --steps 50
 
 A step time is the wall time of one `fit` call of `--steps` steps divided by
 the steps, after a compiling call; the median of `--repeats` calls. It
-includes Keras's per-step overhead, as a user's `fit` does. On GPUs, set
-`--matmul-precision highest` to keep JAX from using TF32 in float32 (for a
-like-for-like comparison with a PyTorch float32 run without TF32).
+includes Keras's per-step overhead, as a user's `fit` does. Inference is
+the median time of `predict_on_batch` on 1000 images. `--output` is
+rewritten after every model, so a run stopped early keeps what it measured.
+On GPUs, set `--matmul-precision highest` to keep JAX from using TF32 in
+float32 (for a like-for-like comparison with a PyTorch float32 run without
+TF32).
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
+import types
 from pathlib import Path
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
@@ -50,14 +55,14 @@ def fashion_mnist_cnn():
 
 
 def cifar_resnet18():
-    if importlib.util.find_spec("tensorflow") is None:
+    if "tensorflow" not in sys.modules and importlib.util.find_spec("tensorflow") is None:
         # examples/cifar10.py imports TensorFlow for its tf.data pipeline;
         # its ResNet-18 is plain Keras. The GPU machine has no TensorFlow.
-        import sys
-        import types
-
         sys.modules["tensorflow"] = types.ModuleType("tensorflow")
     return _example("cifar10").build_resnet18(), (32, 32, 3), 512
+
+
+NETWORKS = {"fashion_mnist_cnn": fashion_mnist_cnn, "cifar_resnet18": cifar_resnet18}
 
 
 def build(kind, make_backbone):
@@ -79,7 +84,9 @@ def time_steps(model, shape, batch_size, steps, repeats):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(batch_size * steps,) + shape).astype("float32")
     y = rng.integers(0, 10, size=batch_size * steps)
+    start = time.perf_counter()
     model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0)  # compile
+    first_fit_s = time.perf_counter() - start
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -87,7 +94,19 @@ def time_steps(model, shape, batch_size, steps, repeats):
         for variable in model.trainable_variables[:1]:
             jax.block_until_ready(variable.value)
         times.append((time.perf_counter() - start) / steps * 1000.0)
-    return statistics.median(times), times
+    return statistics.median(times), times, first_fit_s
+
+
+def time_inference(model, shape, batch_size=1000, repeats=5):
+    """Median ms of `predict_on_batch` on one batch of `batch_size`, after a compiling call."""
+    x = np.random.default_rng(1).normal(size=(batch_size,) + shape).astype("float32")
+    jax.block_until_ready(model.predict_on_batch(x))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(model.predict_on_batch(x))
+        times.append((time.perf_counter() - start) * 1000.0)
+    return statistics.median(times)
 
 
 def main(argv=None):
@@ -95,16 +114,15 @@ def main(argv=None):
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--resnet", action="store_true", help="also the CIFAR ResNet-18")
+    parser.add_argument(
+        "--networks", nargs="+", default=["fashion_mnist_cnn"], choices=sorted(NETWORKS)
+    )
     parser.add_argument("--policies", nargs="+", default=["float32", "mixed_bfloat16"])
     parser.add_argument("--matmul-precision", default=None, choices=(None, "highest", "default"))
     parser.add_argument("--output", default=None)
     args = parser.parse_args(argv)
     if args.matmul_precision:
         jax.config.update("jax_default_matmul_precision", args.matmul_precision)
-    networks = {"fashion_mnist_cnn": fashion_mnist_cnn}
-    if args.resnet:
-        networks["cifar_resnet18"] = cifar_resnet18
     report = {
         "backend": keras.backend.backend(),
         "devices": [str(d) for d in jax.devices()],
@@ -116,25 +134,38 @@ def main(argv=None):
         "matmul_precision": args.matmul_precision,
         "ms_per_step": {},
     }
-    for network, make_backbone in networks.items():
+    for network in args.networks:
+        make_backbone = NETWORKS[network]
         for policy in args.policies:
             keras.mixed_precision.set_global_policy(policy)
             row = {}
             for kind in KINDS:
                 keras.utils.set_random_seed(0)
                 model, shape = build(kind, make_backbone)
-                median, times = time_steps(model, shape, args.batch_size, args.steps, args.repeats)
-                row[kind] = {"median": round(median, 3), "all": [round(t, 3) for t in times]}
-                print(f"{network} {policy} {kind}: {median:.2f} ms/step", flush=True)
+                median, times, first_fit_s = time_steps(
+                    model, shape, args.batch_size, args.steps, args.repeats
+                )
+                row[kind] = {
+                    "median": round(median, 3),
+                    "all": [round(t, 3) for t in times],
+                    "first_fit_s": round(first_fit_s, 1),  # mostly compilation
+                }
+                if kind != "duq_penalty":  # the same network as "duq" at inference
+                    row[kind]["predict_b1000_ms"] = round(time_inference(model, shape), 3)
+                print(f"{network} {policy} {kind}: {median:.2f} ms/step, {row[kind]}", flush=True)
+                report["ms_per_step"][f"{network}/{policy}"] = row
+                write(report, args.output)
             row["penalty_over_softmax"] = round(
                 row["duq_penalty"]["median"] / row["softmax"]["median"], 3
             )
-            report["ms_per_step"][f"{network}/{policy}"] = row
+            write(report, args.output)
             keras.mixed_precision.set_global_policy("float32")
-    text = json.dumps(report, indent=1)
-    if args.output:
-        Path(args.output).write_text(text + "\n")
-    print(text)
+    print(json.dumps(report, indent=1))
+
+
+def write(report, output):
+    if output:
+        Path(output).write_text(json.dumps(report, indent=1) + "\n")
 
 
 if __name__ == "__main__":
