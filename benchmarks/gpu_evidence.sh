@@ -23,11 +23,13 @@
 #             DUQ / DUQ with the penalty; float32 with matmul precision
 #             "highest" (no TF32) and mixed_bfloat16. At most SPEED_S seconds
 #             (default 240); the JSON keeps every model measured before that.
+#             SPEED_NETWORKS and SPEED_POLICIES pick a part of the table (e.g.
+#             "cifar_resnet18" and "mixed_bfloat16").
 #   default   the CNN again at JAX's default precision (TF32 allowed), at most
 #             60 seconds.
 #   fm        examples/fashion_mnist.py, the paper's recipe (30 epochs), for
-#             every seed in SEEDS (default "0 1") in float32 ("highest") and
-#             mixed_bfloat16, all in parallel on the one GPU (their times are
+#             every seed in SEEDS (default "0 1") and policy in FM_POLICIES
+#             (default float32 ("highest") and mixed_bfloat16), all in parallel on the one GPU (their times are
 #             not step timings). Each run logs every epoch, so a run stopped by
 #             the budget still shows how far it got.
 #
@@ -41,6 +43,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/gpu_evidence_out}"
 SEEDS="${SEEDS:-0 1}"
+FM_POLICIES="${FM_POLICIES:-float32 mixed_bfloat16}"
 BUDGET="${BUDGET:-3600}"
 SPEED_S="${SPEED_S:-240}"
 mkdir -p "$OUT"
@@ -63,7 +66,8 @@ mnist=.gpu_data/mnist
     python3 -c "import jax, keras; print('jax', jax.__version__, jax.devices()); print('keras', keras.__version__)"
 } 2>&1 | tee "$log"
 
-networks=(fashion_mnist_cnn cifar_resnet18)
+read -r -a networks <<< "${SPEED_NETWORKS:-fashion_mnist_cnn cifar_resnet18}"
+read -r -a policies <<< "${SPEED_POLICIES:-float32 mixed_bfloat16}"
 speed_args=()
 fm_args=()
 if [ "${SMOKE:-0}" = 1 ]; then
@@ -82,7 +86,7 @@ for part in "$@"; do
         speed)
             limit=$(left 5); [ "$limit" -gt "$SPEED_S" ] && limit=$SPEED_S
             timeout "$limit" python3 benchmarks/jax_speed.py --networks "${networks[@]}" \
-                --matmul-precision highest --output "$OUT/jax_speed_highest.json" \
+                --policies "${policies[@]}" --matmul-precision highest --output "$OUT/jax_speed_highest.json" \
                 "${speed_args[@]}" 2>&1 | tee -a "$log"
             ;;
         default)
@@ -95,7 +99,7 @@ for part in "$@"; do
             export XLA_PYTHON_CLIENT_PREALLOCATE=false
             limit=$(left 10)
             for seed in $SEEDS; do
-                for policy in float32 mixed_bfloat16; do
+                for policy in $FM_POLICIES; do
                     name="fm_${policy#mixed_}_seed$seed"
                     mp=$policy; [ "$policy" = float32 ] && mp=none
                     (
