@@ -29,9 +29,10 @@
 #             60 seconds.
 #   fm        examples/fashion_mnist.py, the paper's recipe (30 epochs), for
 #             every seed in SEEDS (default "0 1") and policy in FM_POLICIES
-#             (default float32 ("highest") and mixed_bfloat16), all in parallel on the one GPU (their times are
-#             not step timings). Each run logs every epoch, so a run stopped by
-#             the budget still shows how far it got.
+#             (default float32 ("highest") and mixed_bfloat16), all in
+#             parallel on the one GPU (their times are not step timings). Each
+#             run logs every epoch, so a run stopped by the budget still shows
+#             how far it got.
 #
 # BUDGET (seconds, default 3600) bounds the whole script: each part stops at
 # the budget. Everything goes to $OUT (at most 8 files come back): run.log (the

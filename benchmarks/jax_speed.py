@@ -138,7 +138,7 @@ def main(argv=None):
         make_backbone = NETWORKS[network]
         for policy in args.policies:
             keras.mixed_precision.set_global_policy(policy)
-            row = {}
+            row = report["ms_per_step"][f"{network}/{policy}"] = {}
             for kind in KINDS:
                 keras.utils.set_random_seed(0)
                 model, shape = build(kind, make_backbone)
@@ -153,7 +153,6 @@ def main(argv=None):
                 if kind != "duq_penalty":  # the same network as "duq" at inference
                     row[kind]["predict_b1000_ms"] = round(time_inference(model, shape), 3)
                 print(f"{network} {policy} {kind}: {median:.2f} ms/step, {row[kind]}", flush=True)
-                report["ms_per_step"][f"{network}/{policy}"] = row
                 write(report, args.output)
             row["penalty_over_softmax"] = round(
                 row["duq_penalty"]["median"] / row["softmax"]["median"], 3
