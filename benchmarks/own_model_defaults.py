@@ -1,0 +1,239 @@
+"""DUQ on backbones a user writes: accuracy and AUROC vs MNIST per epoch.
+
+Trains one model on FashionMNIST (images scaled to [0, 1], as a user would
+from `keras.datasets`) and, after each epoch, measures test accuracy and the
+AUROC of the certainty against the MNIST test set. One run per call; the
+results are appended as one JSON line to `--output`.
+
+Heads:
+- `duq`: `keras_duq.wrap(backbone, 10, **wrap_kwargs)`; `--wrap-json '{}'`
+  gives the library's defaults; `--wrap-json` with the 0.2.0 values
+  (`{"length_scale": 0.1, "momentum": 0.999, ...}`) gives the old ones.
+- `softmax`: a `Dense(10, "softmax")` head on the same backbone; certainty is
+  the maximum softmax probability.
+
+Example:
+
+```bash
+KERAS_HOME=../shared/data/keras python benchmarks/own_model_defaults.py \
+    --backbone quickstart --head duq --epochs 3 --seed 0 \
+    --mnist-path ../shared/data/mnist --output own_model.jsonl
+```
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+import keras
+import numpy as np
+
+import keras_duq
+from keras_duq import datasets
+from keras_duq import evaluation
+
+OLD_DEFAULTS = {
+    "length_scale": 0.1,
+    "momentum": 0.999,
+    "gradient_penalty": 0.1,
+    "kernel_initializer": "he_normal",
+    "bias_correction": False,
+}
+
+
+def quickstart_backbone():
+    """The README quickstart's backbone of keras_duq 0.2.0."""
+    return keras.Sequential([
+        keras.Input((28, 28, 1)),
+        keras.layers.Conv2D(64, 3, padding="same", activation="relu"),
+        keras.layers.MaxPooling2D(),
+        keras.layers.Conv2D(128, 3, padding="same", activation="relu"),
+        keras.layers.GlobalAveragePooling2D(),
+    ])
+
+
+def paper_backbone():
+    """The paper's FashionMNIST CNN (with Keras's default initialisers)."""
+    layers = [keras.Input((28, 28, 1))]
+    for filters, padding in ((64, "same"), (128, "same"), (128, "valid")):
+        layers += [
+            keras.layers.Conv2D(filters, 3, padding=padding),
+            keras.layers.BatchNormalization(momentum=0.9, epsilon=1e-5),
+            keras.layers.ReLU(),
+            keras.layers.MaxPooling2D(2),
+        ]
+    layers += [keras.layers.Flatten(), keras.layers.Dense(256, activation="relu")]
+    return keras.Sequential(layers)
+
+
+def batchnorm_backbone():
+    """A small residual-free CNN with BatchNormalization, pooled features."""
+    def block(filters):
+        return [
+            keras.layers.Conv2D(filters, 3, padding="same", use_bias=False),
+            keras.layers.BatchNormalization(),
+            keras.layers.ReLU(),
+        ]
+    return keras.Sequential([
+        keras.Input((28, 28, 1)),
+        *block(32), *block(32), keras.layers.MaxPooling2D(),
+        *block(64), *block(64), keras.layers.MaxPooling2D(),
+        *block(128),
+        keras.layers.GlobalAveragePooling2D(),
+    ])
+
+
+def mlp_backbone():
+    """A plain MLP on flattened pixels."""
+    return keras.Sequential([
+        keras.Input((28, 28, 1)),
+        keras.layers.Flatten(),
+        keras.layers.Dense(256, activation="relu"),
+        keras.layers.Dense(128, activation="relu"),
+    ])
+
+
+def dropout_backbone():
+    """Conv, max pooling, dropout and a dense layer: a keras.io-style CNN."""
+    return keras.Sequential([
+        keras.Input((28, 28, 1)),
+        keras.layers.Conv2D(32, 3, activation="relu"),
+        keras.layers.MaxPooling2D(),
+        keras.layers.Conv2D(64, 3, activation="relu"),
+        keras.layers.MaxPooling2D(),
+        keras.layers.Flatten(),
+        keras.layers.Dropout(0.5),
+        keras.layers.Dense(128, activation="relu"),
+    ])
+
+
+BACKBONES = {
+    "quickstart": quickstart_backbone,
+    "paper": paper_backbone,
+    "batchnorm": batchnorm_backbone,
+    "mlp": mlp_backbone,
+    "dropout": dropout_backbone,
+}
+
+
+def append_feature_layer(backbone, kind):
+    """The backbone with one more layer on its features, or unchanged."""
+    if kind == "none":
+        return backbone
+    width = backbone.output.shape[-1]
+    layer = {
+        "batch_norm": lambda: keras.layers.BatchNormalization(),
+        "layer_norm": lambda: keras.layers.LayerNormalization(),
+        "linear": lambda: keras.layers.Dense(width),
+    }[kind]()
+    return keras.Sequential([backbone, layer])
+
+
+def make_optimizer(name):
+    if name == "adam":
+        return keras.optimizers.Adam()
+    if name == "sgd":
+        return keras.optimizers.SGD(0.05, momentum=0.9)
+    raise ValueError(f"Unknown optimizer. Received: {name!r}")
+
+
+def load(mnist_path, train_subset):
+    (x_train, y_train), (x_test, y_test) = datasets.load_fashion_mnist()
+    x_ood, _ = datasets.load_mnist_test(mnist_path)
+    scale = lambda x: (x[..., None] / 255.0).astype("float32")  # noqa: E731
+    if train_subset:
+        x_train, y_train = x_train[:train_subset], y_train[:train_subset]
+    return scale(x_train), y_train, scale(x_test), y_test, scale(x_ood)
+
+
+class EpochMetrics(keras.callbacks.Callback):
+    def __init__(self, x_test, y_test, x_ood, head):
+        super().__init__()
+        self.data = (x_test, y_test, x_ood)
+        self.head = head
+        self.rows = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        x_test, y_test, x_ood = self.data
+        scores = self.model.predict(x_test, batch_size=500, verbose=0)
+        ood_scores = self.model.predict(x_ood, batch_size=500, verbose=0)
+        certainty, ood_certainty = scores.max(1), ood_scores.max(1)
+        self.rows.append({
+            "epoch": epoch + 1,
+            "accuracy": float(np.mean(scores.argmax(1) == y_test)),
+            "auroc": evaluation.ood_metrics(certainty, ood_certainty)["auroc"],
+            "median_certainty": float(np.median(certainty)),
+            "train_accuracy": float(logs.get("accuracy", np.nan)),
+            "time_s": time.time() - self.start,
+        })
+        print(json.dumps(self.rows[-1]), flush=True)
+
+    def on_train_begin(self, logs=None):
+        self.start = time.time()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backbone", choices=sorted(BACKBONES), required=True)
+    parser.add_argument("--head", choices=("duq", "softmax"), default="duq")
+    parser.add_argument("--wrap-json", default="{}")
+    parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--train-subset", type=int, default=None)
+    parser.add_argument("--mnist-path", default=None)
+    parser.add_argument(
+        "--feature-layer", choices=("none", "batch_norm", "layer_norm", "linear"),
+        default="none", help="A layer appended to the backbone's features.",
+    )
+    parser.add_argument("--label", default="")
+    parser.add_argument("--output", default="own_model_defaults.jsonl")
+    args = parser.parse_args(argv)
+
+    x_train, y_train, x_test, y_test, x_ood = load(args.mnist_path, args.train_subset)
+    keras.utils.set_random_seed(args.seed)
+    backbone = BACKBONES[args.backbone]()
+    backbone = append_feature_layer(backbone, args.feature_layer)
+    wrap_kwargs = json.loads(args.wrap_json)
+    if args.head == "duq":
+        model = keras_duq.wrap(backbone, 10, **wrap_kwargs)
+        model.compile(optimizer=make_optimizer(args.optimizer))
+    else:
+        model = keras.Sequential([backbone, keras.layers.Dense(10, activation="softmax")])
+        model.compile(
+            optimizer=make_optimizer(args.optimizer),
+            loss="sparse_categorical_crossentropy",
+            metrics=["accuracy"],
+        )
+    metrics = EpochMetrics(x_test, y_test, x_ood, args.head)
+    model.fit(
+        x_train, y_train, batch_size=args.batch_size, epochs=args.epochs,
+        callbacks=[metrics], verbose=0,
+    )
+    record = {
+        "label": args.label,
+        "backbone": args.backbone,
+        "head": args.head,
+        "wrap_kwargs": wrap_kwargs,
+        "feature_layer": args.feature_layer,
+        "optimizer": args.optimizer,
+        "seed": args.seed,
+        "train_subset": args.train_subset,
+        "batch_size": args.batch_size,
+        "keras_duq": keras_duq.__version__,
+        "keras": keras.__version__,
+        "backend": keras.backend.backend(),
+        "cpu": platform.processor() or platform.machine(),
+        "epochs": metrics.rows,
+    }
+    with open(args.output, "a") as f:
+        f.write(json.dumps(record) + "\n")
+    return record
+
+
+if __name__ == "__main__":
+    main()
