@@ -235,7 +235,7 @@ def rejection_curve(
         in_scores.argmax(axis=1) == y_in,
         ood_certainty=model.predict(x_ood).max(axis=1),
     )
-    keras_duq.plots.plot_rejection_curve(curve).savefig("rejection.png")
+    keras_duq.plots.plot_rejection_curve(curve).figure.savefig("rejection.png")
     ```
 
     Args:
