@@ -397,7 +397,9 @@ def plot_reliability_diagram(
     axes.set_ylim(0.0, 1.0)
     axes.set_xlabel("confidence")
     axes.set_ylabel("accuracy")
-    return _finish(axes, created, title, legend_loc="upper left")
+    # Which corner is free depends on the bars (over-confident models leave
+    # the upper left empty, under-confident ones fill it).
+    return _finish(axes, created, title, legend_loc="best")
 
 
 def _finish(axes, created, title, legend_loc, **legend_kwargs):
