@@ -199,13 +199,9 @@ def misclassification_auroc(certainty, correct) -> float:
     """
     certainty = _as_certainty("certainty", certainty)
     correct = _as_correct("correct", correct, len(certainty))
-    if correct.all() or not correct.any():
-        raise ValueError(
-            "The misclassification AUROC needs both correct and wrong "
-            "predictions, but all predictions are "
-            f"{'correct' if correct.all() else 'wrong'}. Evaluate on more "
-            f"examples. Received: {len(correct)} predictions"
-        )
+    _check_both_outcomes(
+        correct, "The misclassification AUROC", "Evaluate on more examples."
+    )
     return float(sk_metrics.roc_auc_score(correct, certainty))
 
 
@@ -456,10 +452,9 @@ def aurc(confidence, correct) -> float:
     ```
 
     Args:
-        confidence: array-like `(num_examples,)`, any certainty where higher
-            means more certain.
-        correct: array-like `(num_examples,)` of bools (or 0/1), whether each
-            prediction is right.
+        confidence: per-example certainty, as in `risk_coverage_curve`.
+        correct: whether each prediction is right, as in
+            `risk_coverage_curve`.
 
     Returns:
         The AURC as a float in `[0, 1]`.
@@ -482,10 +477,9 @@ def risk_at_coverage(confidence, correct, coverage: float = 0.9) -> float:
     ```
 
     Args:
-        confidence: array-like `(num_examples,)`, any certainty where higher
-            means more certain.
-        correct: array-like `(num_examples,)` of bools (or 0/1), whether each
-            prediction is right.
+        confidence: per-example certainty, as in `risk_coverage_curve`.
+        correct: whether each prediction is right, as in
+            `risk_coverage_curve`.
         coverage: float in `(0, 1]`, the fraction of examples to accept.
             Defaults to `0.9`.
 
@@ -609,14 +603,12 @@ class CertaintyCalibrator:
         # every threshold is exactly representable in the float32 map.
         certainty = _as_certainty("certainty", certainty).astype("float32")
         correct = _as_correct("correct", correct, len(certainty))
-        if correct.all() or not correct.any():
-            raise ValueError(
-                "Fitting a calibrator needs both correct and wrong "
-                "predictions, but all predictions are "
-                f"{'correct' if correct.all() else 'wrong'}; the map would be "
-                "constant. Fit on more (or harder) validation examples. "
-                f"Received: {len(correct)} predictions"
-            )
+        _check_both_outcomes(
+            correct,
+            "Fitting a calibrator",
+            "A map fitted on one outcome would be constant. Fit on more (or "
+            "harder) validation examples.",
+        )
         from sklearn.isotonic import IsotonicRegression
 
         isotonic = IsotonicRegression(
@@ -672,7 +664,9 @@ class CertaintyCalibrator:
                 f"`fit(val_certainty, val_correct)` first. Received: `path={path!r}`"
             )
         with open(path, "w") as file:
-            json.dump({"class_name": type(self).__name__, "config": self.get_config()}, file)
+            json.dump(
+                {"class_name": type(self).__name__, "config": self.get_config()}, file
+            )
 
     @classmethod
     def load(cls, path: str) -> "CertaintyCalibrator":
@@ -756,8 +750,21 @@ def _count_for_fraction(total, fraction):
     return max(1, math.ceil(round(fraction * total, 9)))
 
 
+def _check_both_outcomes(correct, what, fix):
+    if correct.all() or not correct.any():
+        raise ValueError(
+            f"{what} needs both correct and wrong predictions, but all "
+            f"predictions are {'correct' if correct.all() else 'wrong'}. {fix} "
+            f"Received: {len(correct)} predictions"
+        )
+
+
 def _check_fraction(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not 0 < value <= 1
+    ):
         raise ValueError(
             f"Expected `{name}` to be a fraction in (0, 1], e.g. 0.95. "
             f"Received: `{name}={value!r}`"

@@ -27,11 +27,16 @@ figure.savefig("duq.png")
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 from sklearn import metrics as sk_metrics
 
 from keras_duq import evaluation as _evaluation
 from keras_duq._validation import check_int
+
+if TYPE_CHECKING:
+    import matplotlib.axes
 
 
 def _axes(ax, figsize):
@@ -188,7 +193,9 @@ def plot_rejection_curve(
     Example:
 
     ```python
-    curve = keras_duq.evaluation.rejection_curve(in_certainty, in_correct, ood_certainty)
+    curve = keras_duq.evaluation.rejection_curve(
+        in_certainty, in_correct, ood_certainty
+    )
     axes = keras_duq.plots.plot_rejection_curve(curve, label="DUQ")
     # or, in one go:
     axes = keras_duq.plots.plot_rejection_curve(
@@ -222,8 +229,8 @@ def plot_rejection_curve(
     ):
         raise ValueError(
             "Pass either `curve` (the dict returned by "
-            "`keras_duq.evaluation.rejection_curve`) or `in_certainty` and `in_correct` "
-            "(and optionally `ood_certainty`), not both and not neither. "
+            "`keras_duq.evaluation.rejection_curve`) or `in_certainty` and "
+            "`in_correct` (and optionally `ood_certainty`), not both and not neither. "
             f"Received: `curve` {'set' if curve is not None else 'None'}, "
             f"`in_certainty` {'set' if in_certainty is not None else 'None'}, "
             f"`in_correct` {'set' if in_correct is not None else 'None'}"
@@ -240,7 +247,8 @@ def plot_rejection_curve(
     missing = {"rejected_fraction", "accuracy", "oracle_accuracy"} - set(curve)
     if missing:
         raise ValueError(
-            "`curve` must be the dict returned by `keras_duq.evaluation.rejection_curve`. "
+            "`curve` must be the dict returned by "
+            "`keras_duq.evaluation.rejection_curve`. "
             f"Received: a dict missing the keys {sorted(missing)}"
         )
     axes, created = _axes(ax, figsize=(6, 4.5))
@@ -318,11 +326,19 @@ def plot_certainty_histograms(
     edges = np.linspace(low, high, bins + 1)
     axes, created = _axes(ax, figsize=(6, 4))
     axes.hist(
-        in_certainty, bins=edges, density=True, alpha=0.6, color="tab:blue",
+        in_certainty,
+        bins=edges,
+        density=True,
+        alpha=0.6,
+        color="tab:blue",
         label=in_label,
     )
     axes.hist(
-        ood_certainty, bins=edges, density=True, alpha=0.6, color="tab:orange",
+        ood_certainty,
+        bins=edges,
+        density=True,
+        alpha=0.6,
+        color="tab:orange",
         label=ood_label,
     )
     axes.set_xlabel(xlabel)
@@ -376,7 +392,9 @@ def plot_reliability_diagram(
         The `matplotlib.axes.Axes` drawn on.
     """
     curve = _evaluation.calibration_curve(confidence, correct, num_bins, strategy)
-    ece = _evaluation.expected_calibration_error(confidence, correct, num_bins, strategy)
+    ece = _evaluation.expected_calibration_error(
+        confidence, correct, num_bins, strategy
+    )
     axes, created = _axes(ax, figsize=(5, 5))
     filled = curve["count"] > 0
     left = curve["bin_edges"][:-1][filled]
@@ -384,13 +402,25 @@ def plot_reliability_diagram(
     accuracy = curve["accuracy"][filled]
     name = f"{label} " if label else ""
     axes.bar(
-        left, accuracy, width=widths, align="edge", color="tab:blue",
-        edgecolor="black", label=f"{name}accuracy (ECE {ece:.3f})",
+        left,
+        accuracy,
+        width=widths,
+        align="edge",
+        color="tab:blue",
+        edgecolor="black",
+        label=f"{name}accuracy (ECE {ece:.3f})",
     )
     axes.bar(
-        left, curve["confidence"][filled] - accuracy, bottom=accuracy,
-        width=widths, align="edge", color="tab:red", alpha=0.3,
-        edgecolor="tab:red", hatch="//", label="gap to mean confidence",
+        left,
+        curve["confidence"][filled] - accuracy,
+        bottom=accuracy,
+        width=widths,
+        align="edge",
+        color="tab:red",
+        alpha=0.3,
+        edgecolor="tab:red",
+        hatch="//",
+        label="gap to mean confidence",
     )
     axes.plot([0, 1], [0, 1], color="grey", linestyle=":", label="calibrated")
     axes.set_xlim(0.0, 1.0)

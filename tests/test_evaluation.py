@@ -22,7 +22,9 @@ import keras_duq
 
 def test_certainty_max_by_hand():
     scores = np.array([[0.1, 0.7, 0.2], [0.05, 0.01, 0.0]])
-    np.testing.assert_allclose(keras_duq.evaluation.certainty_scores(scores), [0.7, 0.05])
+    np.testing.assert_allclose(
+        keras_duq.evaluation.certainty_scores(scores), [0.7, 0.05]
+    )
 
 
 def test_certainty_negative_entropy_by_hand():
@@ -151,9 +153,9 @@ def test_misclassification_auroc_matches_sklearn():
     rng = np.random.default_rng(2)
     correct = rng.random(400) < 0.8
     certainty = rng.normal(correct.astype(float), 1.0)
-    assert keras_duq.evaluation.misclassification_auroc(certainty, correct) == pytest.approx(
-        sk_metrics.roc_auc_score(correct, certainty)
-    )
+    assert keras_duq.evaluation.misclassification_auroc(
+        certainty, correct
+    ) == pytest.approx(sk_metrics.roc_auc_score(correct, certainty))
 
 
 @pytest.mark.parametrize(
@@ -192,16 +194,22 @@ def test_rejection_curve_by_hand():
 
 
 def test_rejection_curve_without_ood_starts_at_accuracy():
-    curve = keras_duq.evaluation.rejection_curve([0.2, 0.9, 0.8, 0.7], [0, 1, 1, 1], num_points=5)
+    curve = keras_duq.evaluation.rejection_curve(
+        [0.2, 0.9, 0.8, 0.7], [0, 1, 1, 1], num_points=5
+    )
     np.testing.assert_allclose(curve["accuracy"], [0.75, 1, 1, 1, np.nan])
 
 
 def test_rejection_curve_splits_ties_evenly():
     # Rejecting one of two equally certain examples (one right, one wrong)
     # keeps half a right one on average, not whichever sorts first.
-    curve = keras_duq.evaluation.rejection_curve([0.5, 0.5], [True, False], num_points=3)
+    curve = keras_duq.evaluation.rejection_curve(
+        [0.5, 0.5], [True, False], num_points=3
+    )
     np.testing.assert_allclose(curve["accuracy"], [0.5, 0.5, np.nan])
-    curve = keras_duq.evaluation.rejection_curve([0.5, 0.5], [False, True], num_points=3)
+    curve = keras_duq.evaluation.rejection_curve(
+        [0.5, 0.5], [False, True], num_points=3
+    )
     np.testing.assert_allclose(curve["accuracy"], [0.5, 0.5, np.nan])
 
 
@@ -291,7 +299,9 @@ def test_callback_csv_logger_every_epoch(tmp_path):
     model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
     csv_path = tmp_path / "log.csv"
     callbacks = [
-        keras_duq.callbacks.OODEvaluation(x_train, _far_points(32, 1), every_n_epochs=1),
+        keras_duq.callbacks.OODEvaluation(
+            x_train, _far_points(32, 1), every_n_epochs=1
+        ),
         keras.callbacks.CSVLogger(str(csv_path)),
     ]
     history = model.fit(x_train, y_train, epochs=2, verbose=0, callbacks=callbacks)
@@ -359,19 +369,28 @@ def test_callback_with_py_datasets_matches_arrays():
     x_test, y_test = _moons(100, 1)
     x_ood = _far_points(50, 2)
     model = keras.Sequential(
-        [keras.Input((2,)), keras.layers.Dense(8, activation="relu"),
-         keras.layers.Dense(2, activation="softmax")]
+        [
+            keras.Input((2,)),
+            keras.layers.Dense(8, activation="relu"),
+            keras.layers.Dense(2, activation="softmax"),
+        ]
     )
     from_arrays = keras_duq.callbacks.OODEvaluation((x_test, y_test), x_ood)
     from_arrays.set_model(model)
     for in_distribution in (
         _Batches(x_test, y_test),
         # What `make_dataset` returns without TensorFlow, shuffled.
-        keras_duq.datasets._ArrayBatches(x_test, y_test, batch_size=32, shuffle=True, seed=0),
+        keras_duq.datasets._ArrayBatches(
+            x_test, y_test, batch_size=32, shuffle=True, seed=0
+        ),
     ):
-        from_batches = keras_duq.callbacks.OODEvaluation(in_distribution, _Batches(x_ood))
+        from_batches = keras_duq.callbacks.OODEvaluation(
+            in_distribution, _Batches(x_ood)
+        )
         from_batches.set_model(model)
-        assert from_batches.evaluate() == pytest.approx(from_arrays.evaluate(), nan_ok=True)
+        assert from_batches.evaluate() == pytest.approx(
+            from_arrays.evaluate(), nan_ok=True
+        )
 
     endless = keras_duq.datasets._ArrayBatches(x_ood, repeat=True)
     with pytest.raises(ValueError, match="endless"):
@@ -395,7 +414,9 @@ def test_callback_with_tensorboard_after_it(tmp_path):
     )
     model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
     callbacks = [
-        keras_duq.callbacks.OODEvaluation(x_train, _far_points(32, 1), every_n_epochs=1),
+        keras_duq.callbacks.OODEvaluation(
+            x_train, _far_points(32, 1), every_n_epochs=1
+        ),
         keras.callbacks.TensorBoard(str(tmp_path)),
     ]
     model.fit(x_train, y_train, epochs=1, verbose=0, callbacks=callbacks)
@@ -457,7 +478,9 @@ def test_expected_calibration_error_matches_textbook_definition(seed, num_bins):
         confidence, correct, num_bins=num_bins, strategy="quantile"
     )
     edges = np.quantile(confidence, np.linspace(0, 1, num_bins + 1))
-    assert quantile == pytest.approx(_reference_ece(confidence, correct, edges), abs=1e-6)
+    assert quantile == pytest.approx(
+        _reference_ece(confidence, correct, edges), abs=1e-6
+    )
 
 
 def test_expected_calibration_error_by_hand():
@@ -646,7 +669,9 @@ def test_calibrator_in_tf_function_and_on_tensors():
     np.testing.assert_allclose(traced.numpy(), calibrator(query), atol=1e-7)
     eager = calibrator(keras.ops.convert_to_tensor(query, dtype="float16"))
     assert keras.ops.is_tensor(eager)
-    np.testing.assert_allclose(keras.ops.convert_to_numpy(eager), calibrator(query), atol=1e-3)
+    np.testing.assert_allclose(
+        keras.ops.convert_to_numpy(eager), calibrator(query), atol=1e-3
+    )
 
 
 def test_calibrator_on_jax_backend(tmp_path):
@@ -664,11 +689,18 @@ query = jax.numpy.asarray(np.load({str(tmp_path / "query.npy")!r}))
 eager = calibrator(query)
 jitted = jax.jit(lambda x: calibrator(x))(query)
 assert isinstance(eager, jax.Array) and isinstance(jitted, jax.Array)
-np.save({str(tmp_path / "jax.npy")!r}, np.stack([np.asarray(eager), np.asarray(jitted)]))
+results = np.stack([np.asarray(eager), np.asarray(jitted)])
+np.save({str(tmp_path / "jax.npy")!r}, results)
 """
-    env = dict(os.environ, KERAS_BACKEND="jax", PYTHONPATH=str(Path(__file__).parents[1]))
+    env = dict(
+        os.environ, KERAS_BACKEND="jax", PYTHONPATH=str(Path(__file__).parents[1])
+    )
     result = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", script],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     eager, jitted = np.load(tmp_path / "jax.npy")
@@ -690,13 +722,17 @@ def test_calibrator_save_load_and_config_round_trip(tmp_path):
     rebuilt = keras_duq.evaluation.CertaintyCalibrator.from_config(config)
     np.testing.assert_array_equal(rebuilt(query), calibrator(query))
     serialized = keras.saving.serialize_keras_object(calibrator)
-    deserialized = keras.saving.deserialize_keras_object(json.loads(json.dumps(serialized)))
+    deserialized = keras.saving.deserialize_keras_object(
+        json.loads(json.dumps(serialized))
+    )
     assert isinstance(deserialized, keras_duq.evaluation.CertaintyCalibrator)
     np.testing.assert_array_equal(deserialized(query), calibrator(query))
 
 
 def test_calibrator_with_a_single_knot():
-    calibrator = keras_duq.evaluation.CertaintyCalibrator(thresholds=[0.5], values=[0.7])
+    calibrator = keras_duq.evaluation.CertaintyCalibrator(
+        thresholds=[0.5], values=[0.7]
+    )
     np.testing.assert_allclose(calibrator([0.0, 0.5, 1.0]), [0.7] * 3)
 
 
@@ -711,7 +747,9 @@ def test_calibrator_with_a_single_knot():
     ],
 )
 def test_calibrator_fit_rejects_bad_input(certainty, correct, match):
-    calibrator = keras_duq.evaluation.CertaintyCalibrator(thresholds=[0.5], values=[0.7])
+    calibrator = keras_duq.evaluation.CertaintyCalibrator(
+        thresholds=[0.5], values=[0.7]
+    )
     with pytest.raises(ValueError, match=match):
         calibrator.fit(certainty, correct)
     # Nothing changed.

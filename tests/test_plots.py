@@ -59,7 +59,9 @@ def test_plot_roc_curve(tmp_path):
 
 
 def test_plot_rejection_curve_from_dict_and_inputs(tmp_path):
-    curve = keras_duq.evaluation.rejection_curve(IN_CERTAINTY, IN_CORRECT, OOD_CERTAINTY)
+    curve = keras_duq.evaluation.rejection_curve(
+        IN_CERTAINTY, IN_CORRECT, OOD_CERTAINTY
+    )
     axes = keras_duq.plots.plot_rejection_curve(curve, label="DUQ")
     assert isinstance(axes, Axes)
     model_line, oracle_line = axes.get_lines()
@@ -71,9 +73,7 @@ def test_plot_rejection_curve_from_dict_and_inputs(tmp_path):
     same = keras_duq.plots.plot_rejection_curve(
         in_certainty=IN_CERTAINTY, in_correct=IN_CORRECT, ood_certainty=OOD_CERTAINTY
     )
-    np.testing.assert_array_equal(
-        same.get_lines()[0].get_ydata(), curve["accuracy"]
-    )
+    np.testing.assert_array_equal(same.get_lines()[0].get_ydata(), curve["accuracy"])
 
 
 @pytest.mark.parametrize(
@@ -142,18 +142,21 @@ def test_plot_reliability_diagram(tmp_path):
     curve = keras_duq.evaluation.calibration_curve(confidence, correct, num_bins=10)
     filled = curve["count"] > 0
     accuracy_bars = axes.patches[: filled.sum()]
-    gap_bars = axes.patches[filled.sum():]
+    gap_bars = axes.patches[filled.sum() :]
     np.testing.assert_allclose(
         [bar.get_height() for bar in accuracy_bars], curve["accuracy"][filled]
     )
     # Each gap bar ends at the bin's mean confidence.
     np.testing.assert_allclose(
-        [bar.get_y() + bar.get_height() for bar in gap_bars], curve["confidence"][filled]
+        [bar.get_y() + bar.get_height() for bar in gap_bars],
+        curve["confidence"][filled],
     )
     np.testing.assert_allclose(
         [bar.get_x() for bar in accuracy_bars], curve["bin_edges"][:-1][filled]
     )
-    ece = keras_duq.evaluation.expected_calibration_error(confidence, correct, num_bins=10)
+    ece = keras_duq.evaluation.expected_calibration_error(
+        confidence, correct, num_bins=10
+    )
     assert f"softmax accuracy (ECE {ece:.3f})" in _legend_texts(axes)
     assert axes.get_title() == "calibration"
     _saves_png(axes, tmp_path / "reliability.png")
