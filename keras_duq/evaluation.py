@@ -363,8 +363,9 @@ def expected_calibration_error(
     `ECE = sum over bins of (n_bin / n) * |accuracy_bin - confidence_bin|`
 
     `0` is perfectly calibrated. DUQ's certainty is a kernel value, not a
-    probability, so its raw ECE is usually large: compare models on the ECE
-    of `CertaintyCalibrator` outputs fitted on validation data.
+    probability, so nothing makes its raw ECE small: to compare DUQ with
+    softmax models on calibration, also report the ECE of
+    `CertaintyCalibrator` outputs fitted on validation data.
 
     Example:
 
