@@ -1,8 +1,18 @@
-"""Uncertainty evaluation: certainty scores, OoD metrics, rejection curves.
+"""Uncertainty evaluation: OoD metrics, calibration, selective prediction.
 
 Everything here works on numpy arrays of per-example scores, so it serves DUQ
 models (kernel values), softmax models and ensembles (probabilities) alike.
-`keras_duq.callbacks.OODEvaluation` runs the same metrics from inside `fit`.
+`keras_duq.callbacks.OODEvaluation` runs the OoD metrics from inside `fit`.
+
+- Certainty: `certainty_scores`.
+- Out-of-distribution detection: `ood_metrics`, `misclassification_auroc`,
+  `rejection_curve`.
+- Calibration: `calibration_curve`, `expected_calibration_error`, and
+  `CertaintyCalibrator`, which maps DUQ's certainty (a kernel value, not a
+  probability) to the probability that the prediction is right.
+- Selective prediction (answer only when certain enough):
+  `risk_coverage_curve`, `aurc`, `risk_at_coverage`, and
+  `certainty_threshold`, the threshold to deploy with `certainty >= t`.
 
 Example:
 
@@ -14,18 +24,40 @@ ood_certainty = evaluation.certainty_scores(model.predict(x_ood))
 evaluation.ood_metrics(in_certainty, ood_certainty)
 # {"auroc": ..., "aupr": ..., "fpr_at_95_tpr": ...}
 ```
+
+See docs/calibration.md for calibration and selective prediction.
 """
 
 from __future__ import annotations
 
+import json
 import math
 
+import keras
 import numpy as np
+from keras import ops
 from sklearn import metrics as sk_metrics
 
 from keras_duq._validation import check_int
 
+__all__ = [
+    "CALIBRATION_STRATEGIES",
+    "CERTAINTY_METHODS",
+    "CertaintyCalibrator",
+    "aurc",
+    "calibration_curve",
+    "certainty_scores",
+    "certainty_threshold",
+    "expected_calibration_error",
+    "misclassification_auroc",
+    "ood_metrics",
+    "rejection_curve",
+    "risk_at_coverage",
+    "risk_coverage_curve",
+]
+
 CERTAINTY_METHODS = ("max", "negative_entropy")
+CALIBRATION_STRATEGIES = ("uniform", "quantile")
 
 # The operating point of `fpr_at_95_tpr`: the share of OoD examples that must
 # be caught.
@@ -167,13 +199,9 @@ def misclassification_auroc(certainty, correct) -> float:
     """
     certainty = _as_certainty("certainty", certainty)
     correct = _as_correct("correct", correct, len(certainty))
-    if correct.all() or not correct.any():
-        raise ValueError(
-            "The misclassification AUROC needs both correct and wrong "
-            "predictions, but all predictions are "
-            f"{'correct' if correct.all() else 'wrong'}. Evaluate on more "
-            f"examples. Received: {len(correct)} predictions"
-        )
+    _check_both_outcomes(
+        correct, "The misclassification AUROC", "Evaluate on more examples."
+    )
     return float(sk_metrics.roc_auc_score(correct, certainty))
 
 
@@ -203,7 +231,7 @@ def rejection_curve(
         in_scores.argmax(axis=1) == y_in,
         ood_certainty=model.predict(x_ood).max(axis=1),
     )
-    keras_duq.plots.plot_rejection_curve(curve).savefig("rejection.png")
+    keras_duq.plots.plot_rejection_curve(curve).figure.savefig("rejection.png")
     ```
 
     Args:
@@ -230,22 +258,10 @@ def rejection_curve(
         correct = np.concatenate([correct, np.zeros(len(ood_certainty))])
     total = len(certainty)
     fractions = np.linspace(0.0, 1.0, num_points)
-    rejected = np.rint(fractions * total)
-    kept = total - rejected
-
-    # Correct predictions among the `k` least certain, with every tie group
-    # rejected uniformly: interpolate between the cumulative counts at the
-    # group boundaries.
-    values, group = np.unique(certainty, return_inverse=True)
-    group_sizes = np.bincount(group, minlength=len(values))
-    group_correct = np.bincount(group, weights=correct, minlength=len(values))
-    boundaries = np.concatenate([[0.0], np.cumsum(group_sizes)])
-    correct_at_boundaries = np.concatenate([[0.0], np.cumsum(group_correct)])
-    rejected_correct = np.interp(rejected, boundaries, correct_at_boundaries)
-
+    kept = total - np.rint(fractions * total)
     num_correct = correct.sum()
     with np.errstate(invalid="ignore", divide="ignore"):
-        accuracy = (num_correct - rejected_correct) / kept
+        accuracy = _kept_correct(certainty, correct, kept) / kept
         # Wrong predictions go first, so all the correct ones are kept until
         # only correct ones are left.
         oracle = np.minimum(num_correct, kept) / kept
@@ -256,6 +272,504 @@ def rejection_curve(
         "accuracy": accuracy,
         "oracle_accuracy": oracle,
     }
+
+
+def calibration_curve(
+    confidence, correct, num_bins: int = 15, strategy: str = "uniform"
+) -> dict:
+    """Per-bin accuracy and mean confidence: the data of a reliability diagram.
+
+    Examples are grouped into bins by confidence; a calibrated model is right
+    as often as it is confident in every bin (`accuracy == confidence`).
+    Bins are closed on the right, `(low, high]`, with a confidence of exactly
+    `0` in the first bin. `expected_calibration_error` and
+    `keras_duq.plots.plot_reliability_diagram` are built on this function.
+
+    Example:
+
+    ```python
+    probabilities = softmax_model.predict(x_test)
+    curve = keras_duq.evaluation.calibration_curve(
+        probabilities.max(axis=1), probabilities.argmax(axis=1) == y_test
+    )
+    curve["accuracy"] - curve["confidence"]   # > 0: under-confident bins
+    ```
+
+    Args:
+        confidence: array-like `(num_examples,)` in `[0, 1]`: the maximum
+            softmax (or ensemble) probability, a DUQ certainty (max kernel
+            value) or a calibrated probability (`CertaintyCalibrator`).
+        correct: array-like `(num_examples,)` of bools (or 0/1), whether each
+            prediction is right.
+        num_bins: int >= 1, number of bins. Defaults to `15`, the usual
+            choice since Guo et al. (2017).
+        strategy: `"uniform"` (default): bins of equal width on `[0, 1]`.
+            `"quantile"`: bins holding (about) the same number of examples,
+            with edges at quantiles of `confidence`; tied confidences can
+            leave some bins empty.
+
+    Returns:
+        A dict:
+
+        - `"bin_edges"`: float64 `(num_bins + 1,)`, increasing.
+        - `"count"`: int64 `(num_bins,)`, examples per bin.
+        - `"confidence"`: float64 `(num_bins,)`, mean confidence per bin
+          (`nan` for an empty bin).
+        - `"accuracy"`: float64 `(num_bins,)`, fraction correct per bin
+          (`nan` for an empty bin).
+    """
+    check_int("num_bins", num_bins, minimum=1)
+    if strategy not in CALIBRATION_STRATEGIES:
+        raise ValueError(
+            f"Unknown binning strategy. Expected one of {CALIBRATION_STRATEGIES}. "
+            f"Received: `strategy={strategy!r}`"
+        )
+    confidence = _as_certainty("confidence", confidence)
+    if confidence.min() < 0 or confidence.max() > 1:
+        raise ValueError(
+            "Calibration compares confidence with accuracy, so `confidence` "
+            "must lie in [0, 1] (a probability or a DUQ kernel value). For "
+            "other certainties (e.g. negative entropy) fit a "
+            "`keras_duq.evaluation.CertaintyCalibrator` and pass its output. "
+            f"Received: values in [{confidence.min()}, {confidence.max()}]"
+        )
+    correct = _as_correct("correct", correct, len(confidence)).astype("float64")
+    quantiles = np.linspace(0.0, 1.0, num_bins + 1)
+    if strategy == "uniform":
+        edges = quantiles
+    else:
+        edges = np.quantile(confidence, quantiles)
+    bin_index = np.digitize(confidence, edges[1:-1], right=True)
+    count = np.bincount(bin_index, minlength=num_bins)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean_confidence = np.bincount(bin_index, confidence, num_bins) / count
+        accuracy = np.bincount(bin_index, correct, num_bins) / count
+    return {
+        "bin_edges": edges,
+        "count": count,
+        "confidence": mean_confidence,
+        "accuracy": accuracy,
+    }
+
+
+def expected_calibration_error(
+    confidence, correct, num_bins: int = 15, strategy: str = "uniform"
+) -> float:
+    """Expected calibration error (ECE): how far confidence is from accuracy.
+
+    The textbook definition (Naeini et al. 2015, Guo et al. 2017): with the
+    examples grouped into bins by confidence (see `calibration_curve`),
+
+    `ECE = sum over bins of (n_bin / n) * |accuracy_bin - confidence_bin|`
+
+    `0` is perfectly calibrated. DUQ's certainty is a kernel value, not a
+    probability, so nothing makes its raw ECE small: to compare DUQ with
+    softmax models on calibration, also report the ECE of
+    `CertaintyCalibrator` outputs fitted on validation data.
+
+    Example:
+
+    ```python
+    kernel_values = duq_model.predict(x_test)
+    correct = kernel_values.argmax(axis=1) == y_test
+    raw = keras_duq.evaluation.expected_calibration_error(
+        kernel_values.max(axis=1), correct
+    )
+    calibrator = keras_duq.evaluation.CertaintyCalibrator().fit(
+        val_certainty, val_correct
+    )
+    calibrated = keras_duq.evaluation.expected_calibration_error(
+        calibrator(kernel_values.max(axis=1)), correct
+    )
+    ```
+
+    Args:
+        confidence: array-like `(num_examples,)` in `[0, 1]`.
+        correct: array-like `(num_examples,)` of bools (or 0/1), whether each
+            prediction is right.
+        num_bins: int >= 1, number of bins. Defaults to `15`.
+        strategy: `"uniform"` (default, equal-width bins, the textbook ECE)
+            or `"quantile"` (equal-count bins).
+
+    Returns:
+        The ECE as a float in `[0, 1]`.
+    """
+    curve = calibration_curve(confidence, correct, num_bins, strategy)
+    filled = curve["count"] > 0
+    weights = curve["count"][filled] / curve["count"].sum()
+    gaps = np.abs(curve["accuracy"][filled] - curve["confidence"][filled])
+    return float(np.sum(weights * gaps))
+
+
+def risk_coverage_curve(confidence, correct) -> dict:
+    """Error rate among the most certain examples as more are accepted.
+
+    Selective prediction answers only the examples it is most certain of.
+    At coverage `k / n` the `k` most certain examples are accepted and the
+    risk is the fraction of them that are wrong. Tied certainties are
+    accepted in proportion (the expected risk of breaking ties at random),
+    as in `rejection_curve`, of which this is the per-example mirror image
+    (`risk = 1 - accuracy` at `rejected_fraction = 1 - coverage`).
+
+    Example:
+
+    ```python
+    curve = keras_duq.evaluation.risk_coverage_curve(certainty, correct)
+    plt.plot(curve["coverage"], curve["risk"])
+    ```
+
+    Args:
+        confidence: array-like `(num_examples,)`, any certainty where higher
+            means more certain (kernel values, probabilities, negative
+            entropy).
+        correct: array-like `(num_examples,)` of bools (or 0/1), whether each
+            prediction is right.
+
+    Returns:
+        A dict of float64 arrays `(num_examples,)`: `"coverage"`
+        (`1/n, 2/n, ..., 1`) and `"risk"`.
+    """
+    confidence = _as_certainty("confidence", confidence)
+    correct = _as_correct("correct", correct, len(confidence)).astype("float64")
+    accepted = np.arange(1, len(confidence) + 1, dtype="float64")
+    risk = 1.0 - _kept_correct(confidence, correct, accepted) / accepted
+    return {"coverage": accepted / len(confidence), "risk": risk}
+
+
+def aurc(confidence, correct) -> float:
+    """Area under the risk-coverage curve (AURC, Geifman et al. 2019).
+
+    The mean of the risk over the coverages `1/n, ..., 1` of
+    `risk_coverage_curve`: lower is better. It mixes the error rate (the
+    risk at full coverage) with how well certainty ranks errors last; a
+    certainty that ranks every error below every correct prediction reaches
+    the lowest AURC those predictions allow.
+
+    Example:
+
+    ```python
+    keras_duq.evaluation.aurc(kernel_values.max(axis=1),
+                              kernel_values.argmax(axis=1) == y_test)
+    ```
+
+    Args:
+        confidence: per-example certainty, as in `risk_coverage_curve`.
+        correct: whether each prediction is right, as in
+            `risk_coverage_curve`.
+
+    Returns:
+        The AURC as a float in `[0, 1]`.
+    """
+    return float(np.mean(risk_coverage_curve(confidence, correct)["risk"]))
+
+
+def risk_at_coverage(confidence, correct, coverage: float = 0.9) -> float:
+    """Error rate on the most certain `coverage` fraction of the examples.
+
+    The `ceil(coverage * n)` most certain examples are accepted (ties in
+    proportion, as in `risk_coverage_curve`). The accuracy at that coverage
+    is `1 - risk_at_coverage(...)`.
+
+    Example:
+
+    ```python
+    risk = keras_duq.evaluation.risk_at_coverage(certainty, correct, coverage=0.9)
+    print(f"accuracy on the 90% most certain: {1 - risk:.3f}")
+    ```
+
+    Args:
+        confidence: per-example certainty, as in `risk_coverage_curve`.
+        correct: whether each prediction is right, as in
+            `risk_coverage_curve`.
+        coverage: float in `(0, 1]`, the fraction of examples to accept.
+            Defaults to `0.9`.
+
+    Returns:
+        The risk as a float in `[0, 1]`.
+    """
+    _check_fraction("coverage", coverage)
+    curve = risk_coverage_curve(confidence, correct)
+    accepted = _count_for_fraction(len(curve["risk"]), coverage)
+    return float(curve["risk"][accepted - 1])
+
+
+def certainty_threshold(certainty, keep: float = 0.95) -> float:
+    """The certainty threshold that accepts a target share of examples.
+
+    Returns the largest `t` such that `certainty >= t` holds for at least
+    `keep` of the given examples: compute it on in-distribution validation
+    data and deploy `accept = certainty >= t`, e.g. as
+    `model.export(path, certainty_threshold=t)`. Inputs the model has never
+    seen are then refused when they are less certain than all but about
+    `1 - keep` of the validation data.
+
+    Use the certainty the deployed model computes (the float32 output of
+    `model.predict`): the threshold is then one of its values, and the
+    comparison in the exported model keeps exactly the counted examples.
+
+    Example:
+
+    ```python
+    val_certainty = model.predict(x_val).max(axis=1)
+    t = keras_duq.evaluation.certainty_threshold(val_certainty, keep=0.95)
+    accept = model.predict(x_new).max(axis=1) >= t
+    ```
+
+    Args:
+        certainty: array-like `(num_examples,)`, certainty on
+            in-distribution validation data (higher is more certain).
+        keep: float in `(0, 1]`, the fraction of these examples to accept.
+            Defaults to `0.95`.
+
+    Returns:
+        The threshold `t` as a float (one of the given certainties).
+    """
+    _check_fraction("keep", keep)
+    certainty = _as_certainty("certainty", certainty)
+    accepted = _count_for_fraction(len(certainty), keep)
+    return float(np.sort(certainty)[len(certainty) - accepted])
+
+
+@keras.saving.register_keras_serializable(package="keras_duq")
+class CertaintyCalibrator:
+    """Maps certainty to the probability that the prediction is right.
+
+    DUQ's certainty is a kernel value: it ranks examples well, but
+    `certainty == 0.8` does not mean "right 80% of the time". The calibrator
+    fits an isotonic regression (scikit-learn's `IsotonicRegression`,
+    increasing, values in `[0, 1]`) of `correct` on `certainty` over
+    validation data. The fitted map is kept as two float32 numpy arrays,
+    `thresholds` and `values`: piecewise linear between them, constant
+    outside. It works the same for softmax or ensemble confidences.
+
+    Calling the calibrator uses only `keras.ops`, so it runs on numpy arrays
+    (returning numpy), and on backend tensors (returning a tensor), inside a
+    `tf.function` or a `jax.jit` too, e.g. in a serving signature. It is
+    computed in float32.
+
+    Save it on its own with `save(path)` / `CertaintyCalibrator.load(path)`
+    (a small JSON file), or inside a Keras config through `get_config()` /
+    `from_config()` (registered as `"keras_duq>CertaintyCalibrator"`).
+
+    Example:
+
+    ```python
+    val_scores = model.predict(x_val)
+    calibrator = keras_duq.evaluation.CertaintyCalibrator().fit(
+        val_scores.max(axis=1), val_scores.argmax(axis=1) == y_val
+    )
+    probability_correct = calibrator(model.predict(x_test).max(axis=1))
+    calibrator.save("calibrator.json")
+    calibrator = keras_duq.evaluation.CertaintyCalibrator.load("calibrator.json")
+    ```
+
+    Args:
+        thresholds: optional, a fitted map's increasing certainties (as in
+            `get_config()`); leave unset and call `fit`.
+        values: optional, the probabilities at `thresholds`, non-decreasing
+            in `[0, 1]`.
+    """
+
+    def __init__(self, thresholds=None, values=None) -> None:
+        if (thresholds is None) != (values is None):
+            raise ValueError(
+                "Pass both `thresholds` and `values` (a fitted map, as in "
+                "`get_config()`), or neither and call `fit`. Received: "
+                f"`thresholds={thresholds!r}`, `values={values!r}`"
+            )
+        if thresholds is not None:
+            thresholds, values = _as_calibration_map(thresholds, values)
+        self.thresholds = thresholds
+        self.values = values
+
+    @property
+    def fitted(self) -> bool:
+        """Whether the map is set (by `fit` or the constructor)."""
+        return self.thresholds is not None
+
+    def fit(self, certainty, correct) -> "CertaintyCalibrator":
+        """Fits the map on validation data; returns the calibrator.
+
+        Args:
+            certainty: array-like `(num_examples,)`, certainty on
+                in-distribution validation data (not the training data, on
+                which the model is over-confident).
+            correct: array-like `(num_examples,)` of bools (or 0/1), whether
+                each prediction is right; both outcomes must occur.
+
+        Returns:
+            `self`, fitted.
+        """
+        # Fitted on float32 values, the certainty a model outputs, so that
+        # every threshold is exactly representable in the float32 map.
+        certainty = _as_certainty("certainty", certainty).astype("float32")
+        correct = _as_correct("correct", correct, len(certainty))
+        _check_both_outcomes(
+            correct,
+            "Fitting a calibrator",
+            "A map fitted on one outcome would be constant. Fit on more (or "
+            "harder) validation examples.",
+        )
+        from sklearn.isotonic import IsotonicRegression
+
+        isotonic = IsotonicRegression(
+            y_min=0.0, y_max=1.0, increasing=True, out_of_bounds="clip"
+        )
+        isotonic.fit(certainty.astype("float64"), correct.astype("float64"))
+        self.thresholds, self.values = _as_calibration_map(
+            isotonic.X_thresholds_, isotonic.y_thresholds_
+        )
+        return self
+
+    def __call__(self, certainty):
+        """The probability that each prediction is right.
+
+        Args:
+            certainty: certainties of any shape: a numpy array (or list), or
+                a backend tensor (also symbolic, inside `tf.function`).
+
+        Returns:
+            float32 probabilities of the same shape: a numpy array for numpy
+            input, otherwise a backend tensor.
+        """
+        if not self.fitted:
+            raise ValueError(
+                "This CertaintyCalibrator is not fitted yet. Call "
+                "`calibrator.fit(val_certainty, val_correct)` first, or load a "
+                "fitted one with `CertaintyCalibrator.load(path)`."
+            )
+        probability = _piecewise_linear(certainty, self.thresholds, self.values)
+        if isinstance(certainty, (np.ndarray, np.generic, list, tuple, float, int)):
+            return ops.convert_to_numpy(probability)
+        return probability
+
+    def get_config(self) -> dict:
+        """The map as a JSON-serialisable dict (lists of floats, or None)."""
+        if not self.fitted:
+            return {"thresholds": None, "values": None}
+        return {
+            "thresholds": [float(x) for x in self.thresholds],
+            "values": [float(y) for y in self.values],
+        }
+
+    @classmethod
+    def from_config(cls, config: dict) -> "CertaintyCalibrator":
+        """Rebuilds a calibrator from `get_config()`."""
+        return cls(**config)
+
+    def save(self, path: str) -> None:
+        """Writes the fitted map to a JSON file at `path`."""
+        if not self.fitted:
+            raise ValueError(
+                "Only a fitted CertaintyCalibrator can be saved. Call "
+                f"`fit(val_certainty, val_correct)` first. Received: `path={path!r}`"
+            )
+        with open(path, "w") as file:
+            json.dump(
+                {"class_name": type(self).__name__, "config": self.get_config()}, file
+            )
+
+    @classmethod
+    def load(cls, path: str) -> "CertaintyCalibrator":
+        """Reads a calibrator written by `save(path)`."""
+        with open(path) as file:
+            saved = json.load(file)
+        if not isinstance(saved, dict) or saved.get("class_name") != cls.__name__:
+            raise ValueError(
+                f"Expected a file written by `{cls.__name__}.save`. Received: "
+                f"`path={path!r}` holding {str(saved)[:80]!r}"
+            )
+        return cls.from_config(saved["config"])
+
+    def __repr__(self) -> str:
+        size = "not fitted" if not self.fitted else f"{len(self.thresholds)} knots"
+        return f"<CertaintyCalibrator ({size})>"
+
+
+def _piecewise_linear(x, thresholds, values):
+    """The calibration map at `x`: linear between knots, constant outside.
+
+    Only `keras.ops` (no `searchsorted`, which older Keras 3 lacks), so it
+    runs on every backend and inside traced graphs.
+    """
+    x = ops.cast(ops.convert_to_tensor(x), "float32")
+    if len(thresholds) == 1:
+        return ops.full_like(x, values[0])
+    segment = ops.clip(ops.digitize(x, thresholds) - 1, 0, len(thresholds) - 2)
+    low_x = ops.take(thresholds, segment)
+    high_x = ops.take(thresholds, segment + 1)
+    low_y = ops.take(values, segment)
+    high_y = ops.take(values, segment + 1)
+    weight = ops.clip((x - low_x) / (high_x - low_x), 0.0, 1.0)
+    # The minimum keeps float32 rounding from stepping above the next knot,
+    # so the map stays monotone.
+    return ops.minimum(low_y + weight * (high_y - low_y), high_y)
+
+
+def _as_calibration_map(thresholds, values):
+    thresholds = np.asarray(thresholds, dtype="float32")
+    values = np.asarray(values, dtype="float32")
+    problem = None
+    if thresholds.ndim != 1 or len(thresholds) == 0 or values.shape != thresholds.shape:
+        problem = "1-D arrays of the same, non-zero length"
+    elif not (np.all(np.isfinite(thresholds)) and np.all(np.isfinite(values))):
+        problem = "finite values"
+    elif np.any(np.diff(thresholds) <= 0):
+        problem = "strictly increasing `thresholds`"
+    elif np.any(np.diff(values) < 0) or values.min() < 0 or values.max() > 1:
+        problem = "non-decreasing `values` in [0, 1]"
+    if problem:
+        raise ValueError(
+            f"A calibration map needs {problem}. Pass the arrays of a fitted "
+            "calibrator's `get_config()`, or call `fit`. Received: "
+            f"`thresholds` {thresholds.tolist()[:5]}, `values` {values.tolist()[:5]}"
+        )
+    return thresholds, values
+
+
+def _kept_correct(certainty, correct, kept):
+    """Expected correct predictions among the `kept` most certain examples.
+
+    Every tie group is split in proportion, i.e. the expectation over random
+    tie-breaking: the cumulative count is interpolated between group
+    boundaries.
+    """
+    values, group = np.unique(certainty, return_inverse=True)
+    group_sizes = np.bincount(group, minlength=len(values))
+    group_correct = np.bincount(group, weights=correct, minlength=len(values))
+    boundaries = np.concatenate([[0.0], np.cumsum(group_sizes)])
+    correct_at_boundaries = np.concatenate([[0.0], np.cumsum(group_correct)])
+    rejected_correct = np.interp(
+        len(certainty) - np.asarray(kept), boundaries, correct_at_boundaries
+    )
+    return correct.sum() - rejected_correct
+
+
+def _count_for_fraction(total, fraction):
+    # Rounded before the ceiling so that 0.9 * 10 (9.000000000000002 in
+    # floating point) counts 9 examples, not 10.
+    return max(1, math.ceil(round(fraction * total, 9)))
+
+
+def _check_both_outcomes(correct, what, fix):
+    if correct.all() or not correct.any():
+        raise ValueError(
+            f"{what} needs both correct and wrong predictions, but all "
+            f"predictions are {'correct' if correct.all() else 'wrong'}. {fix} "
+            f"Received: {len(correct)} predictions"
+        )
+
+
+def _check_fraction(name, value):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not 0 < value <= 1
+    ):
+        raise ValueError(
+            f"Expected `{name}` to be a fraction in (0, 1], e.g. 0.95. "
+            f"Received: `{name}={value!r}`"
+        )
 
 
 def _detection_problem(in_certainty, ood_certainty):

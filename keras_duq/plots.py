@@ -1,4 +1,11 @@
-"""The paper's figures, drawn with matplotlib. Every function returns the figure.
+"""The paper's figures and a reliability diagram, drawn with matplotlib.
+
+Every function draws on the `ax=` it is given, or else on a new pyplot
+figure, which becomes the current figure (so `plt.savefig`, `plt.show` and
+notebooks show it), and returns the `matplotlib.axes.Axes` it drew on; its
+figure is `axes.figure`. (keras_duq 0.2 returned a `Figure` unknown to
+pyplot: replace `plot_...(...).savefig(path)` by
+`plot_...(...).figure.savefig(path)`, or call `plt.savefig(path)`.)
 
 matplotlib is an optional dependency (`pip install "keras-duq[plots]"`),
 imported the first time a figure is drawn.
@@ -6,12 +13,21 @@ imported the first time a figure is drawn.
 Example:
 
 ```python
+import matplotlib.pyplot as plt
 from keras_duq import plots
 
-plots.plot_certainty_histograms(in_certainty, ood_certainty).savefig("hist.png")
+plots.plot_certainty_histograms(in_certainty, ood_certainty)
+plt.savefig("hist.png")
+
+figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+plots.plot_roc_curve(in_certainty, ood_certainty, label="DUQ", ax=left)
+plots.plot_reliability_diagram(confidence, correct, ax=right)
+figure.savefig("duq.png")
 ```"""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import numpy as np
 from sklearn import metrics as sk_metrics
@@ -19,20 +35,27 @@ from sklearn import metrics as sk_metrics
 from keras_duq import evaluation as _evaluation
 from keras_duq._validation import check_int
 
-# Figures are built with `matplotlib.figure.Figure`, not `pyplot`: nothing
-# pops up, nothing is kept in pyplot's global registry, and any backend works.
+if TYPE_CHECKING:
+    import matplotlib.axes
 
 
-def _new_figure(**kwargs):
+def _axes(ax, figsize):
+    """The caller's axes, or those of a new pyplot figure; and which it was.
+
+    A new figure goes through pyplot, as `plt.subplots` would make it, so it
+    is the current figure for `plt.savefig` and shows in notebooks.
+    """
+    if ax is not None:
+        return ax, False
     try:
-        from matplotlib.figure import Figure
+        from matplotlib import pyplot
     except ImportError as error:
         raise ImportError(
             "keras_duq's plots need matplotlib, which is not installed. "
             'Install it with `pip install "keras-duq[plots]"` (or `pip '
             "install matplotlib`)."
         ) from error
-    return Figure(**kwargs)
+    return pyplot.figure(figsize=figsize).add_subplot(), True
 
 
 def plot_certainty_map(
@@ -41,9 +64,10 @@ def plot_certainty_map(
     y_train,
     x_range=(-3.5, 4.5),
     y_range=(-3.0, 3.5),
-    resolution=200,
-    title=None,
-):
+    resolution: int = 200,
+    title: str | None = None,
+    ax: "matplotlib.axes.Axes | None" = None,
+) -> "matplotlib.axes.Axes":
     """Certainty (max kernel value) of a 2-D model over a grid, as in Figure 1.
 
     Yellow is certain, dark blue uncertain; the training points are drawn on
@@ -52,8 +76,8 @@ def plot_certainty_map(
     Example:
 
     ```python
-    figure = keras_duq.plots.plot_certainty_map(model, x_train, y_train)
-    figure.savefig("two_moons.png")
+    keras_duq.plots.plot_certainty_map(model, x_train, y_train)
+    plt.savefig("two_moons.png")
     ```
 
     Args:
@@ -66,16 +90,19 @@ def plot_certainty_map(
         resolution: number of grid points per dimension.
         title: optional title.
 
+        ax: optional `matplotlib.axes.Axes` to draw on. Defaults to a new
+            pyplot figure, which becomes the current figure.
+
     Returns:
-        The `matplotlib.figure.Figure`.
+        The `matplotlib.axes.Axes` drawn on. (keras_duq 0.2 returned its
+        figure, which is `axes.figure`.)
     """
     xs = np.linspace(*x_range, resolution)
     ys = np.linspace(*y_range, resolution)
     grid_x, grid_y = np.meshgrid(xs, ys)
     grid = np.stack([grid_x.ravel(), grid_y.ravel()], axis=1).astype("float32")
     certainty = np.max(model.predict(grid, batch_size=4096, verbose=0), axis=1)
-    figure = _new_figure(figsize=(6, 5))
-    axes = figure.subplots()
+    axes, created = _axes(ax, figsize=(6, 5))
     image = axes.contourf(
         grid_x,
         grid_y,
@@ -83,14 +110,14 @@ def plot_certainty_map(
         levels=np.linspace(0.0, 1.0, 21),
         cmap="viridis",
     )
-    figure.colorbar(image, ax=axes, label="certainty (max kernel value)")
+    axes.figure.colorbar(image, ax=axes, label="certainty (max kernel value)")
     y_train = np.asarray(y_train).reshape(-1)
     for label, color in zip(np.unique(y_train), ("tab:red", "white", "tab:orange")):
         points = x_train[y_train == label]
         axes.scatter(points[:, 0], points[:, 1], s=4, c=color, label=f"class {label}")
     axes.set_xlim(*x_range)
     axes.set_ylim(*y_range)
-    return _finish(figure, axes, title, legend_loc="lower left", fontsize="small")
+    return _finish(axes, created, title, legend_loc="lower left", fontsize="small")
 
 
 def plot_roc_curve(
@@ -98,7 +125,8 @@ def plot_roc_curve(
     ood_certainty,
     label: str | None = None,
     title: str | None = None,
-) -> "matplotlib.figure.Figure":
+    ax: "matplotlib.axes.Axes | None" = None,
+) -> "matplotlib.axes.Axes":
     """ROC curve of separating in-distribution from OoD data, as in Figure 5.
 
     Uses the convention of `ood_metrics`: OoD is the positive class and the
@@ -108,12 +136,12 @@ def plot_roc_curve(
     Example:
 
     ```python
-    figure = keras_duq.plots.plot_roc_curve(
+    keras_duq.plots.plot_roc_curve(
         model.predict(x_fashion_mnist).max(axis=1),
         model.predict(x_mnist).max(axis=1),
         label="DUQ",
     )
-    figure.savefig("roc.png")
+    plt.savefig("roc.png")
     ```
 
     Args:
@@ -123,16 +151,19 @@ def plot_roc_curve(
         label: optional name of the model, shown in the legend.
         title: optional title.
 
+        ax: optional `matplotlib.axes.Axes` to draw on. Defaults to a new
+            pyplot figure, which becomes the current figure.
+
     Returns:
-        The `matplotlib.figure.Figure`.
+        The `matplotlib.axes.Axes` drawn on. (keras_duq 0.2 returned its
+        figure, which is `axes.figure`.)
     """
     in_certainty = _evaluation._as_certainty("in_certainty", in_certainty)
     ood_certainty = _evaluation._as_certainty("ood_certainty", ood_certainty)
     is_ood, uncertainty = _evaluation._detection_problem(in_certainty, ood_certainty)
     fpr, tpr, _ = sk_metrics.roc_curve(is_ood, uncertainty)
     auroc = sk_metrics.roc_auc_score(is_ood, uncertainty)
-    figure = _new_figure(figsize=(5, 5))
-    axes = figure.subplots()
+    axes, created = _axes(ax, figsize=(5, 5))
     name = f"{label} " if label else ""
     axes.plot(fpr, tpr, color="tab:blue", label=f"{name}(AUROC {auroc:.3f})")
     axes.plot([0, 1], [0, 1], color="grey", linestyle=":", label="chance")
@@ -140,7 +171,7 @@ def plot_roc_curve(
     axes.set_ylim(0.0, 1.01)
     axes.set_xlabel("false positive rate (in-distribution flagged as OoD)")
     axes.set_ylabel("true positive rate (OoD flagged)")
-    return _finish(figure, axes, title, legend_loc="lower right")
+    return _finish(axes, created, title, legend_loc="lower right")
 
 
 def plot_rejection_curve(
@@ -151,7 +182,8 @@ def plot_rejection_curve(
     ood_certainty=None,
     label: str | None = None,
     title: str | None = None,
-) -> "matplotlib.figure.Figure":
+    ax: "matplotlib.axes.Axes | None" = None,
+) -> "matplotlib.axes.Axes":
     """Accuracy on the kept data against the rejected fraction (Figure 6).
 
     Draws the model's curve and the oracle ("theoretical maximum") of
@@ -161,10 +193,12 @@ def plot_rejection_curve(
     Example:
 
     ```python
-    curve = keras_duq.evaluation.rejection_curve(in_certainty, in_correct, ood_certainty)
-    figure = keras_duq.plots.plot_rejection_curve(curve, label="DUQ")
+    curve = keras_duq.evaluation.rejection_curve(
+        in_certainty, in_correct, ood_certainty
+    )
+    axes = keras_duq.plots.plot_rejection_curve(curve, label="DUQ")
     # or, in one go:
-    figure = keras_duq.plots.plot_rejection_curve(
+    axes = keras_duq.plots.plot_rejection_curve(
         in_certainty=in_certainty,
         in_correct=in_correct,
         ood_certainty=ood_certainty,
@@ -182,8 +216,12 @@ def plot_rejection_curve(
         label: optional name of the model, shown in the legend.
         title: optional title.
 
+        ax: optional `matplotlib.axes.Axes` to draw on. Defaults to a new
+            pyplot figure, which becomes the current figure.
+
     Returns:
-        The `matplotlib.figure.Figure`.
+        The `matplotlib.axes.Axes` drawn on. (keras_duq 0.2 returned its
+        figure, which is `axes.figure`.)
     """
     given_inputs = in_certainty is not None or in_correct is not None
     if (curve is None) == (not given_inputs) or (
@@ -191,8 +229,8 @@ def plot_rejection_curve(
     ):
         raise ValueError(
             "Pass either `curve` (the dict returned by "
-            "`keras_duq.evaluation.rejection_curve`) or `in_certainty` and `in_correct` "
-            "(and optionally `ood_certainty`), not both and not neither. "
+            "`keras_duq.evaluation.rejection_curve`) or `in_certainty` and "
+            "`in_correct` (and optionally `ood_certainty`), not both and not neither. "
             f"Received: `curve` {'set' if curve is not None else 'None'}, "
             f"`in_certainty` {'set' if in_certainty is not None else 'None'}, "
             f"`in_correct` {'set' if in_correct is not None else 'None'}"
@@ -209,11 +247,11 @@ def plot_rejection_curve(
     missing = {"rejected_fraction", "accuracy", "oracle_accuracy"} - set(curve)
     if missing:
         raise ValueError(
-            "`curve` must be the dict returned by `keras_duq.evaluation.rejection_curve`. "
+            "`curve` must be the dict returned by "
+            "`keras_duq.evaluation.rejection_curve`. "
             f"Received: a dict missing the keys {sorted(missing)}"
         )
-    figure = _new_figure(figsize=(6, 4.5))
-    axes = figure.subplots()
+    axes, created = _axes(ax, figsize=(6, 4.5))
     axes.plot(
         curve["rejected_fraction"],
         curve["accuracy"],
@@ -230,7 +268,7 @@ def plot_rejection_curve(
     axes.set_xlim(0.0, 1.0)
     axes.set_xlabel("fraction of data rejected (least certain first)")
     axes.set_ylabel("accuracy on the kept data")
-    return _finish(figure, axes, title, legend_loc="lower right")
+    return _finish(axes, created, title, legend_loc="lower right")
 
 
 def plot_certainty_histograms(
@@ -241,7 +279,8 @@ def plot_certainty_histograms(
     ood_label: str = "out of distribution",
     xlabel: str = "certainty",
     title: str | None = None,
-) -> "matplotlib.figure.Figure":
+    ax: "matplotlib.axes.Axes | None" = None,
+) -> "matplotlib.axes.Axes":
     """Normalised histograms of the certainty on in-distribution and OoD data.
 
     As in the paper's Figure 7, each histogram is a density (area 1), so sets
@@ -250,7 +289,7 @@ def plot_certainty_histograms(
     Example:
 
     ```python
-    figure = keras_duq.plots.plot_certainty_histograms(
+    keras_duq.plots.plot_certainty_histograms(
         model.predict(x_fashion_mnist).max(axis=1),
         model.predict(x_mnist).max(axis=1),
         in_label="FashionMNIST",
@@ -269,8 +308,12 @@ def plot_certainty_histograms(
             `"negative entropy"`.
         title: optional title.
 
+        ax: optional `matplotlib.axes.Axes` to draw on. Defaults to a new
+            pyplot figure, which becomes the current figure.
+
     Returns:
-        The `matplotlib.figure.Figure`.
+        The `matplotlib.axes.Axes` drawn on. (keras_duq 0.2 returned its
+        figure, which is `axes.figure`.)
     """
     check_int("bins", bins, minimum=1)
     in_certainty = _evaluation._as_certainty("in_certainty", in_certainty)
@@ -281,25 +324,120 @@ def plot_certainty_histograms(
         # A constant certainty still needs bins of non-zero width.
         low, high = low - 0.5, high + 0.5
     edges = np.linspace(low, high, bins + 1)
-    figure = _new_figure(figsize=(6, 4))
-    axes = figure.subplots()
+    axes, created = _axes(ax, figsize=(6, 4))
     axes.hist(
-        in_certainty, bins=edges, density=True, alpha=0.6, color="tab:blue",
+        in_certainty,
+        bins=edges,
+        density=True,
+        alpha=0.6,
+        color="tab:blue",
         label=in_label,
     )
     axes.hist(
-        ood_certainty, bins=edges, density=True, alpha=0.6, color="tab:orange",
+        ood_certainty,
+        bins=edges,
+        density=True,
+        alpha=0.6,
+        color="tab:orange",
         label=ood_label,
     )
     axes.set_xlabel(xlabel)
     axes.set_ylabel("density")
-    return _finish(figure, axes, title, legend_loc="upper center")
+    return _finish(axes, created, title, legend_loc="upper center")
 
 
-def _finish(figure, axes, title, legend_loc, **legend_kwargs):
+def plot_reliability_diagram(
+    confidence,
+    correct,
+    num_bins: int = 15,
+    strategy: str = "uniform",
+    label: str | None = None,
+    title: str | None = None,
+    ax: "matplotlib.axes.Axes | None" = None,
+) -> "matplotlib.axes.Axes":
+    """Reliability diagram: accuracy against confidence, bin by bin.
+
+    Blue bars are the accuracy in each bin of `calibration_curve`; red bars
+    span the gap to the bin's mean confidence (above the blue bar: over-
+    confident, inside it: under-confident). A calibrated model follows the
+    diagonal. The expected calibration error is shown in the legend. Empty
+    bins are left blank.
+
+    Example:
+
+    ```python
+    probabilities = softmax_model.predict(x_test)
+    keras_duq.plots.plot_reliability_diagram(
+        probabilities.max(axis=1), probabilities.argmax(axis=1) == y_test,
+        label="softmax",
+    )
+    plt.savefig("reliability.png")
+    ```
+
+    Args:
+        confidence: array-like `(num_examples,)` in `[0, 1]`: softmax or
+            ensemble probabilities, DUQ certainty, or a `CertaintyCalibrator`
+            output.
+        correct: array-like `(num_examples,)` of bools (or 0/1), whether each
+            prediction is right.
+        num_bins: int >= 1, number of bins. Defaults to `15`.
+        strategy: `"uniform"` (default, equal-width bins) or `"quantile"`
+            (equal-count bins), as in `calibration_curve`.
+        label: optional name of the model, shown in the legend.
+        title: optional title.
+        ax: optional `matplotlib.axes.Axes` to draw on. Defaults to a new
+            pyplot figure, which becomes the current figure.
+
+    Returns:
+        The `matplotlib.axes.Axes` drawn on.
+    """
+    curve = _evaluation.calibration_curve(confidence, correct, num_bins, strategy)
+    ece = _evaluation.expected_calibration_error(
+        confidence, correct, num_bins, strategy
+    )
+    axes, created = _axes(ax, figsize=(5, 5))
+    filled = curve["count"] > 0
+    left = curve["bin_edges"][:-1][filled]
+    widths = np.diff(curve["bin_edges"])[filled]
+    accuracy = curve["accuracy"][filled]
+    name = f"{label} " if label else ""
+    axes.bar(
+        left,
+        accuracy,
+        width=widths,
+        align="edge",
+        color="tab:blue",
+        edgecolor="black",
+        label=f"{name}accuracy (ECE {ece:.3f})",
+    )
+    axes.bar(
+        left,
+        curve["confidence"][filled] - accuracy,
+        bottom=accuracy,
+        width=widths,
+        align="edge",
+        color="tab:red",
+        alpha=0.3,
+        edgecolor="tab:red",
+        hatch="//",
+        label="gap to mean confidence",
+    )
+    axes.plot([0, 1], [0, 1], color="grey", linestyle=":", label="calibrated")
+    axes.set_xlim(0.0, 1.0)
+    axes.set_ylim(0.0, 1.0)
+    axes.set_xlabel("confidence")
+    axes.set_ylabel("accuracy")
+    # Which corner is free depends on the bars (over-confident models leave
+    # the upper left empty, under-confident ones fill it).
+    return _finish(axes, created, title, legend_loc="best")
+
+
+def _finish(axes, created, title, legend_loc, **legend_kwargs):
     """Legend, optional title and a tight layout: the end of every plot."""
     axes.legend(loc=legend_loc, **legend_kwargs)
     if title:
         axes.set_title(title)
-    figure.tight_layout()
-    return figure
+    if created:
+        # Only a figure made here: a caller's layout is the caller's.
+        axes.figure.tight_layout()
+    return axes

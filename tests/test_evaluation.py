@@ -1,7 +1,12 @@
 """Tests of keras_duq.evaluation: metrics by hand and against scikit-learn."""
 
 import csv
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import keras
 import numpy as np
@@ -17,7 +22,9 @@ import keras_duq
 
 def test_certainty_max_by_hand():
     scores = np.array([[0.1, 0.7, 0.2], [0.05, 0.01, 0.0]])
-    np.testing.assert_allclose(keras_duq.evaluation.certainty_scores(scores), [0.7, 0.05])
+    np.testing.assert_allclose(
+        keras_duq.evaluation.certainty_scores(scores), [0.7, 0.05]
+    )
 
 
 def test_certainty_negative_entropy_by_hand():
@@ -146,9 +153,9 @@ def test_misclassification_auroc_matches_sklearn():
     rng = np.random.default_rng(2)
     correct = rng.random(400) < 0.8
     certainty = rng.normal(correct.astype(float), 1.0)
-    assert keras_duq.evaluation.misclassification_auroc(certainty, correct) == pytest.approx(
-        sk_metrics.roc_auc_score(correct, certainty)
-    )
+    assert keras_duq.evaluation.misclassification_auroc(
+        certainty, correct
+    ) == pytest.approx(sk_metrics.roc_auc_score(correct, certainty))
 
 
 @pytest.mark.parametrize(
@@ -187,16 +194,22 @@ def test_rejection_curve_by_hand():
 
 
 def test_rejection_curve_without_ood_starts_at_accuracy():
-    curve = keras_duq.evaluation.rejection_curve([0.2, 0.9, 0.8, 0.7], [0, 1, 1, 1], num_points=5)
+    curve = keras_duq.evaluation.rejection_curve(
+        [0.2, 0.9, 0.8, 0.7], [0, 1, 1, 1], num_points=5
+    )
     np.testing.assert_allclose(curve["accuracy"], [0.75, 1, 1, 1, np.nan])
 
 
 def test_rejection_curve_splits_ties_evenly():
     # Rejecting one of two equally certain examples (one right, one wrong)
     # keeps half a right one on average, not whichever sorts first.
-    curve = keras_duq.evaluation.rejection_curve([0.5, 0.5], [True, False], num_points=3)
+    curve = keras_duq.evaluation.rejection_curve(
+        [0.5, 0.5], [True, False], num_points=3
+    )
     np.testing.assert_allclose(curve["accuracy"], [0.5, 0.5, np.nan])
-    curve = keras_duq.evaluation.rejection_curve([0.5, 0.5], [False, True], num_points=3)
+    curve = keras_duq.evaluation.rejection_curve(
+        [0.5, 0.5], [False, True], num_points=3
+    )
     np.testing.assert_allclose(curve["accuracy"], [0.5, 0.5, np.nan])
 
 
@@ -286,7 +299,9 @@ def test_callback_csv_logger_every_epoch(tmp_path):
     model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
     csv_path = tmp_path / "log.csv"
     callbacks = [
-        keras_duq.callbacks.OODEvaluation(x_train, _far_points(32, 1), every_n_epochs=1),
+        keras_duq.callbacks.OODEvaluation(
+            x_train, _far_points(32, 1), every_n_epochs=1
+        ),
         keras.callbacks.CSVLogger(str(csv_path)),
     ]
     history = model.fit(x_train, y_train, epochs=2, verbose=0, callbacks=callbacks)
@@ -354,19 +369,28 @@ def test_callback_with_py_datasets_matches_arrays():
     x_test, y_test = _moons(100, 1)
     x_ood = _far_points(50, 2)
     model = keras.Sequential(
-        [keras.Input((2,)), keras.layers.Dense(8, activation="relu"),
-         keras.layers.Dense(2, activation="softmax")]
+        [
+            keras.Input((2,)),
+            keras.layers.Dense(8, activation="relu"),
+            keras.layers.Dense(2, activation="softmax"),
+        ]
     )
     from_arrays = keras_duq.callbacks.OODEvaluation((x_test, y_test), x_ood)
     from_arrays.set_model(model)
     for in_distribution in (
         _Batches(x_test, y_test),
         # What `make_dataset` returns without TensorFlow, shuffled.
-        keras_duq.datasets._ArrayBatches(x_test, y_test, batch_size=32, shuffle=True, seed=0),
+        keras_duq.datasets._ArrayBatches(
+            x_test, y_test, batch_size=32, shuffle=True, seed=0
+        ),
     ):
-        from_batches = keras_duq.callbacks.OODEvaluation(in_distribution, _Batches(x_ood))
+        from_batches = keras_duq.callbacks.OODEvaluation(
+            in_distribution, _Batches(x_ood)
+        )
         from_batches.set_model(model)
-        assert from_batches.evaluate() == pytest.approx(from_arrays.evaluate(), nan_ok=True)
+        assert from_batches.evaluate() == pytest.approx(
+            from_arrays.evaluate(), nan_ok=True
+        )
 
     endless = keras_duq.datasets._ArrayBatches(x_ood, repeat=True)
     with pytest.raises(ValueError, match="endless"):
@@ -390,7 +414,9 @@ def test_callback_with_tensorboard_after_it(tmp_path):
     )
     model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
     callbacks = [
-        keras_duq.callbacks.OODEvaluation(x_train, _far_points(32, 1), every_n_epochs=1),
+        keras_duq.callbacks.OODEvaluation(
+            x_train, _far_points(32, 1), every_n_epochs=1
+        ),
         keras.callbacks.TensorBoard(str(tmp_path)),
     ]
     model.fit(x_train, y_train, epochs=1, verbose=0, callbacks=callbacks)
@@ -420,3 +446,328 @@ def test_callback_rejects_bad_arguments(kwargs, match):
     }
     with pytest.raises(ValueError, match=match):
         keras_duq.callbacks.OODEvaluation(**arguments)
+
+
+# ------------------------------------------------------------ calibration
+
+
+def _reference_ece(confidence, correct, edges):
+    """Textbook ECE, bin by bin: sum of (n_bin / n) * |accuracy - confidence|."""
+    total = 0.0
+    for index in range(len(edges) - 1):
+        low = -np.inf if index == 0 else edges[index]
+        high = np.inf if index == len(edges) - 2 else edges[index + 1]
+        in_bin = (confidence > low) & (confidence <= high)
+        if in_bin.any():
+            gap = abs(np.mean(correct[in_bin]) - np.mean(confidence[in_bin]))
+            total += in_bin.sum() / len(confidence) * gap
+    return total
+
+
+@pytest.mark.parametrize("seed, num_bins", [(0, 15), (1, 10), (2, 1), (3, 40)])
+def test_expected_calibration_error_matches_textbook_definition(seed, num_bins):
+    rng = np.random.default_rng(seed)
+    confidence = rng.beta(5, 2, size=1000)
+    correct = rng.random(1000) < confidence**2
+    uniform = keras_duq.evaluation.expected_calibration_error(
+        confidence, correct, num_bins=num_bins
+    )
+    expected = _reference_ece(confidence, correct, np.linspace(0, 1, num_bins + 1))
+    assert uniform == pytest.approx(expected, abs=1e-6)
+    quantile = keras_duq.evaluation.expected_calibration_error(
+        confidence, correct, num_bins=num_bins, strategy="quantile"
+    )
+    edges = np.quantile(confidence, np.linspace(0, 1, num_bins + 1))
+    assert quantile == pytest.approx(
+        _reference_ece(confidence, correct, edges), abs=1e-6
+    )
+
+
+def test_expected_calibration_error_by_hand():
+    # Bin (0.5, 1]: accuracy 1/2, confidence 0.9; bin [0, 0.5]: 0 and 0.1.
+    ece = keras_duq.evaluation.expected_calibration_error(
+        [0.9, 0.9, 0.1, 0.1], [1, 0, 0, 0], num_bins=2
+    )
+    assert ece == pytest.approx(0.5 * 0.4 + 0.5 * 0.1)
+    calibrated = keras_duq.evaluation.expected_calibration_error(
+        [0.75] * 4 + [0.0] * 3, [1, 1, 1, 0, 0, 0, 0]
+    )
+    assert calibrated == pytest.approx(0.0)
+
+
+def test_calibration_curve_bins():
+    confidence = np.array([0.0, 0.2, 0.5, 0.5, 0.55, 1.0])
+    curve = keras_duq.evaluation.calibration_curve(
+        confidence, [0, 1, 1, 0, 1, 1], num_bins=4
+    )
+    np.testing.assert_allclose(curve["bin_edges"], [0, 0.25, 0.5, 0.75, 1])
+    # Closed on the right: 0.5 falls in (0.25, 0.5], 0 in the first bin.
+    np.testing.assert_array_equal(curve["count"], [2, 2, 1, 1])
+    np.testing.assert_allclose(curve["accuracy"], [0.5, 0.5, 1, 1])
+    np.testing.assert_allclose(curve["confidence"], [0.1, 0.5, 0.55, 1.0])
+
+    rng = np.random.default_rng(0)
+    quantile = keras_duq.evaluation.calibration_curve(
+        rng.random(300), rng.random(300) < 0.5, num_bins=6, strategy="quantile"
+    )
+    np.testing.assert_array_equal(quantile["count"], [50] * 6)
+    empty = keras_duq.evaluation.calibration_curve([0.9, 0.95], [1, 0], num_bins=4)
+    assert np.isnan(empty["accuracy"][:3]).all() and empty["count"][3] == 2
+
+
+@pytest.mark.parametrize(
+    "confidence, kwargs, match",
+    [
+        ([0.5, 1.5], {}, r"in \[0, 1\]"),
+        ([0.5, -0.1], {}, r"in \[0, 1\]"),
+        ([0.5, np.nan], {}, "NaN"),
+        ([0.5, 0.6], {"strategy": "equal"}, "strategy='equal'"),
+        ([0.5, 0.6], {"num_bins": 0}, "num_bins"),
+        ([[0.5, 0.6]], {}, "1-D"),
+    ],
+)
+def test_calibration_rejects_bad_input(confidence, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        keras_duq.evaluation.expected_calibration_error(confidence, [1, 0], **kwargs)
+
+
+# ------------------------------------------------------------ risk and coverage
+
+
+def test_risk_coverage_by_hand():
+    curve = keras_duq.evaluation.risk_coverage_curve([0.9, 0.6, 0.7, 0.8], [1, 0, 1, 0])
+    np.testing.assert_allclose(curve["coverage"], [0.25, 0.5, 0.75, 1.0])
+    np.testing.assert_allclose(curve["risk"], [0, 1 / 2, 1 / 3, 1 / 2])
+    assert keras_duq.evaluation.aurc([0.9, 0.6, 0.7, 0.8], [1, 0, 1, 0]) == (
+        pytest.approx((0 + 1 / 2 + 1 / 3 + 1 / 2) / 4)
+    )
+    assert keras_duq.evaluation.risk_at_coverage(
+        [0.9, 0.6, 0.7, 0.8], [1, 0, 1, 0], coverage=0.5
+    ) == pytest.approx(0.5)
+
+
+def test_risk_coverage_splits_ties_evenly():
+    # One of the two tied examples is accepted at coverage 2/3: half right.
+    curve = keras_duq.evaluation.risk_coverage_curve([0.9, 0.5, 0.5], [1, 1, 0])
+    np.testing.assert_allclose(curve["risk"], [0, 0.25, 1 / 3])
+    assert keras_duq.evaluation.aurc([0.5, 0.5], [True, False]) == pytest.approx(0.5)
+    assert keras_duq.evaluation.aurc([0.5, 0.5], [False, True]) == pytest.approx(0.5)
+
+
+def test_risk_coverage_mirrors_rejection_curve():
+    rng = np.random.default_rng(0)
+    certainty = np.round(rng.random(200), 1)  # many ties
+    correct = rng.random(200) < certainty
+    curve = keras_duq.evaluation.risk_coverage_curve(certainty, correct)
+    rejection = keras_duq.evaluation.rejection_curve(certainty, correct, num_points=201)
+    np.testing.assert_allclose(
+        curve["risk"][::-1], 1 - rejection["accuracy"][:-1], atol=1e-12
+    )
+
+
+def test_aurc_best_when_errors_are_least_certain():
+    correct = np.array([1, 1, 1, 0, 0], bool)
+    best = keras_duq.evaluation.aurc([0.9, 0.8, 0.7, 0.2, 0.1], correct)
+    worst = keras_duq.evaluation.aurc([0.1, 0.2, 0.3, 0.8, 0.9], correct)
+    assert best == pytest.approx((0 + 0 + 0 + 1 / 4 + 2 / 5) / 5)
+    assert worst > best
+
+
+def test_risk_at_coverage_counts_the_rounded_fraction():
+    # 0.9 * 10 is 9.000000000000002 in floating point: still 9 examples.
+    certainty = np.arange(10) / 10
+    correct = np.arange(10) > 0  # the least certain is the only error
+    assert keras_duq.evaluation.risk_at_coverage(certainty, correct, 0.9) == 0.0
+    assert keras_duq.evaluation.risk_at_coverage(certainty, correct, 1.0) == (
+        pytest.approx(0.1)
+    )
+    # ceil(0.85 * 10) = 9 examples.
+    assert keras_duq.evaluation.risk_at_coverage(certainty, correct, 0.85) == 0.0
+
+
+@pytest.mark.parametrize("coverage", [0, 1.5, -0.1, True, "0.9"])
+def test_risk_at_coverage_rejects_bad_coverage(coverage):
+    with pytest.raises(ValueError, match="coverage"):
+        keras_duq.evaluation.risk_at_coverage([0.5, 0.6], [1, 0], coverage=coverage)
+
+
+# ------------------------------------------------------------ certainty_threshold
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.9, 0.95, 0.999, 1.0])
+def test_certainty_threshold_keeps_the_fraction(keep):
+    rng = np.random.default_rng(0)
+    for certainty in (
+        rng.random(1000).astype("float32"),
+        np.round(rng.random(997), 2),  # ties
+        np.zeros(50),  # underflowed kernel values
+    ):
+        threshold = keras_duq.evaluation.certainty_threshold(certainty, keep=keep)
+        assert np.mean(certainty >= threshold) >= keep
+        # The largest such threshold: anything above keeps too few.
+        assert np.mean(certainty > threshold) < keep
+        assert threshold in certainty
+
+
+def test_certainty_threshold_float32_round_trip():
+    certainty = np.random.default_rng(1).random(1000).astype("float32")
+    threshold = keras_duq.evaluation.certainty_threshold(certainty, keep=0.95)
+    assert np.sum(certainty >= np.float32(threshold)) == 950
+
+
+@pytest.mark.parametrize("keep", [0, 1.01, None])
+def test_certainty_threshold_rejects_bad_keep(keep):
+    with pytest.raises(ValueError, match="keep"):
+        keras_duq.evaluation.certainty_threshold([0.5], keep=keep)
+
+
+# ------------------------------------------------------------ CertaintyCalibrator
+
+
+def _calibration_data(n=2000, seed=0):
+    rng = np.random.default_rng(seed)
+    certainty = rng.random(n).astype("float32")
+    return certainty, rng.random(n) < certainty**2
+
+
+def test_calibrator_matches_sklearn_isotonic_regression():
+    from sklearn.isotonic import IsotonicRegression
+
+    certainty, correct = _calibration_data()
+    calibrator = keras_duq.evaluation.CertaintyCalibrator().fit(certainty, correct)
+    assert calibrator.thresholds.dtype == np.float32
+    assert calibrator.values.dtype == np.float32
+    isotonic = IsotonicRegression(out_of_bounds="clip").fit(certainty, correct)
+    query = np.concatenate(
+        [certainty, np.random.default_rng(1).uniform(-0.5, 1.5, 3000).astype("float32")]
+    )
+    probability = calibrator(query)
+    assert isinstance(probability, np.ndarray) and probability.shape == query.shape
+    np.testing.assert_allclose(probability, isotonic.predict(query), atol=1e-6)
+
+
+def test_calibrator_is_monotone_and_a_probability():
+    calibrator = keras_duq.evaluation.CertaintyCalibrator().fit(*_calibration_data())
+    probability = calibrator(np.linspace(-1, 2, 20001, dtype="float32"))
+    assert np.all(np.diff(probability) >= 0)
+    assert probability.min() >= 0 and probability.max() <= 1
+    # Wrong predictions sit at low certainty by construction (P = c**2).
+    assert probability[0] < 0.05 and probability[-1] > 0.9
+
+
+def test_calibrator_in_tf_function_and_on_tensors():
+    certainty, correct = _calibration_data()
+    calibrator = keras_duq.evaluation.CertaintyCalibrator().fit(certainty, correct)
+    query = np.random.default_rng(2).random((7, 3)).astype("float32")
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 3], tf.float32)])
+    def serve(x):
+        return calibrator(x)
+
+    traced = serve(tf.constant(query))
+    assert isinstance(traced, tf.Tensor) and traced.shape == (7, 3)
+    np.testing.assert_allclose(traced.numpy(), calibrator(query), atol=1e-7)
+    eager = calibrator(keras.ops.convert_to_tensor(query, dtype="float16"))
+    assert keras.ops.is_tensor(eager)
+    np.testing.assert_allclose(
+        keras.ops.convert_to_numpy(eager), calibrator(query), atol=1e-3
+    )
+
+
+def test_calibrator_on_jax_backend(tmp_path):
+    certainty, correct = _calibration_data()
+    calibrator = keras_duq.evaluation.CertaintyCalibrator().fit(certainty, correct)
+    calibrator.save(tmp_path / "calibrator.json")
+    query = np.linspace(-0.2, 1.2, 101, dtype="float32")
+    np.save(tmp_path / "query.npy", query)
+    script = f"""
+import jax, keras, numpy as np
+from keras_duq.evaluation import CertaintyCalibrator
+assert keras.backend.backend() == "jax"
+calibrator = CertaintyCalibrator.load({str(tmp_path / "calibrator.json")!r})
+query = jax.numpy.asarray(np.load({str(tmp_path / "query.npy")!r}))
+eager = calibrator(query)
+jitted = jax.jit(lambda x: calibrator(x))(query)
+assert isinstance(eager, jax.Array) and isinstance(jitted, jax.Array)
+results = np.stack([np.asarray(eager), np.asarray(jitted)])
+np.save({str(tmp_path / "jax.npy")!r}, results)
+"""
+    env = dict(
+        os.environ, KERAS_BACKEND="jax", PYTHONPATH=str(Path(__file__).parents[1])
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    eager, jitted = np.load(tmp_path / "jax.npy")
+    np.testing.assert_allclose(eager, calibrator(query), atol=1e-7)
+    np.testing.assert_allclose(jitted, calibrator(query), atol=1e-7)
+
+
+def test_calibrator_save_load_and_config_round_trip(tmp_path):
+    calibrator = keras_duq.evaluation.CertaintyCalibrator().fit(*_calibration_data())
+    query = np.linspace(0, 1, 501, dtype="float32")
+    path = tmp_path / "calibrator.json"
+    calibrator.save(path)
+    loaded = keras_duq.evaluation.CertaintyCalibrator.load(path)
+    np.testing.assert_array_equal(loaded.thresholds, calibrator.thresholds)
+    np.testing.assert_array_equal(loaded.values, calibrator.values)
+    np.testing.assert_array_equal(loaded(query), calibrator(query))
+
+    config = json.loads(json.dumps(calibrator.get_config()))
+    rebuilt = keras_duq.evaluation.CertaintyCalibrator.from_config(config)
+    np.testing.assert_array_equal(rebuilt(query), calibrator(query))
+    serialized = keras.saving.serialize_keras_object(calibrator)
+    deserialized = keras.saving.deserialize_keras_object(
+        json.loads(json.dumps(serialized))
+    )
+    assert isinstance(deserialized, keras_duq.evaluation.CertaintyCalibrator)
+    np.testing.assert_array_equal(deserialized(query), calibrator(query))
+
+
+def test_calibrator_with_a_single_knot():
+    calibrator = keras_duq.evaluation.CertaintyCalibrator(
+        thresholds=[0.5], values=[0.7]
+    )
+    np.testing.assert_allclose(calibrator([0.0, 0.5, 1.0]), [0.7] * 3)
+
+
+@pytest.mark.parametrize(
+    "certainty, correct, match",
+    [
+        ([0.1, 0.9, 0.5], [0, 1], r"shape \(3,\)"),
+        ([0.1, np.inf, 0.5], [0, 1, 1], "NaN or infinite"),
+        ([0.1, 0.9, 0.5], [1, 1, 1], "all predictions are correct"),
+        ([0.1, 0.9, 0.5], [0, 0, 0], "all predictions are wrong"),
+        ([0.1, 0.9, 0.5], [0, 2, 1], "booleans or 0/1"),
+    ],
+)
+def test_calibrator_fit_rejects_bad_input(certainty, correct, match):
+    calibrator = keras_duq.evaluation.CertaintyCalibrator(
+        thresholds=[0.5], values=[0.7]
+    )
+    with pytest.raises(ValueError, match=match):
+        calibrator.fit(certainty, correct)
+    # Nothing changed.
+    np.testing.assert_array_equal(calibrator.thresholds, [0.5])
+
+
+def test_calibrator_rejects_bad_state(tmp_path):
+    unfitted = keras_duq.evaluation.CertaintyCalibrator()
+    with pytest.raises(ValueError, match="not fitted"):
+        unfitted([0.5])
+    with pytest.raises(ValueError, match="Only a fitted"):
+        unfitted.save(tmp_path / "c.json")
+    with pytest.raises(ValueError, match="both `thresholds` and `values`"):
+        keras_duq.evaluation.CertaintyCalibrator(thresholds=[0.5])
+    with pytest.raises(ValueError, match="strictly increasing"):
+        keras_duq.evaluation.CertaintyCalibrator(thresholds=[0.5, 0.5], values=[0, 1])
+    with pytest.raises(ValueError, match="non-decreasing"):
+        keras_duq.evaluation.CertaintyCalibrator(thresholds=[0.1, 0.5], values=[1, 0])
+    (tmp_path / "other.json").write_text('{"a": 1}')
+    with pytest.raises(ValueError, match="CertaintyCalibrator.save"):
+        keras_duq.evaluation.CertaintyCalibrator.load(tmp_path / "other.json")
