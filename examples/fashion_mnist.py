@@ -508,6 +508,8 @@ def evaluate(models, method, test, x_ood, validation=None) -> dict:
 def save_figures(output_dir, label, in_certainty, ood_certainty, curve, method,
                  in_name="FashionMNIST", ood_name="MNIST"):
     """The paper's Figures 7 and 8 (histograms, rejection curve) and the ROC."""
+    import matplotlib.pyplot
+
     title = f"{label}: {in_name} vs. {ood_name}"
     figures = {
         "roc_curve.png": keras_duq.plots.plot_roc_curve(
@@ -523,8 +525,10 @@ def save_figures(output_dir, label, in_certainty, ood_certainty, curve, method,
             title=title,
         ),
     }
-    for name, figure in figures.items():
-        figure.savefig(os.path.join(output_dir, name), dpi=120)
+    for name, axes in figures.items():
+        axes.figure.savefig(os.path.join(output_dir, name), dpi=120)
+        # The plots draw on pyplot figures: close them, runs make many.
+        matplotlib.pyplot.close(axes.figure)
     return sorted(figures)
 
 

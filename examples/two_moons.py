@@ -228,13 +228,19 @@ def run(
         os.makedirs(output_dir, exist_ok=True)
         label = "" if backbone == "residual_sn" else f" ({backbone} backbone)"
         title = f"DUQ{label}, gradient penalty {gradient_penalty:g}, seed {seed}"
-        figure = keras_duq.plots.plot_certainty_map(model, x_train, y_train, X_RANGE, Y_RANGE, title=title)
+        axes = keras_duq.plots.plot_certainty_map(
+            model, x_train, y_train, X_RANGE, Y_RANGE, title=title
+        )
         interval = f"_every{penalty_interval}" if penalty_interval > 1 else ""
         prefix = "two_moons" if backbone == "residual_sn" else f"two_moons_{backbone}"
         path = os.path.join(
             output_dir, f"{prefix}_gp{gradient_penalty:g}{interval}_seed{seed}.png"
         )
-        figure.savefig(path, dpi=100)
+        axes.figure.savefig(path, dpi=100)
+        # The plot draws on a pyplot figure: close it, sweeps make many.
+        import matplotlib.pyplot
+
+        matplotlib.pyplot.close(axes.figure)
         results["figure"] = path
     return results
 
