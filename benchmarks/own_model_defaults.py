@@ -123,7 +123,7 @@ def append_feature_layer(backbone, kind):
     """The backbone with one more layer on its features, or unchanged."""
     if kind == "none":
         return backbone
-    width = backbone.output.shape[-1]
+    width = backbone.compute_output_shape((None, 28, 28, 1))[-1]
     layer = {
         "batch_norm": lambda: keras.layers.BatchNormalization(),
         "layer_norm": lambda: keras.layers.LayerNormalization(),
@@ -140,10 +140,18 @@ def make_optimizer(name):
     raise ValueError(f"Unknown optimizer. Received: {name!r}")
 
 
-def load(mnist_path, train_subset):
+def load(mnist_path, train_subset, standardize=False):
+    """FashionMNIST and the MNIST test set, in [0, 1] or standardised.
+
+    Standardised images use FashionMNIST's training mean and standard
+    deviation for both sets, as the paper does.
+    """
     (x_train, y_train), (x_test, y_test) = datasets.load_fashion_mnist()
     x_ood, _ = datasets.load_mnist_test(mnist_path)
-    scale = lambda x: (x[..., None] / 255.0).astype("float32")  # noqa: E731
+    if standardize:
+        scale = datasets.normalize
+    else:
+        scale = lambda x: (x[..., None] / 255.0).astype("float32")  # noqa: E731
     if train_subset:
         x_train, y_train = x_train[:train_subset], y_train[:train_subset]
     return scale(x_train), y_train, scale(x_test), y_test, scale(x_ood)
@@ -190,14 +198,29 @@ def main(argv=None):
         "--feature-layer", choices=("none", "batch_norm", "layer_norm", "linear"),
         default="none", help="A layer appended to the backbone's features.",
     )
+    parser.add_argument(
+        "--standardize", action="store_true",
+        help="Standardise images with FashionMNIST's mean and std (else [0, 1]).",
+    )
+    parser.add_argument(
+        "--input-normalization", action="store_true",
+        help="Put a keras.layers.Normalization, adapted on x_train, first.",
+    )
     parser.add_argument("--label", default="")
     parser.add_argument("--output", default="own_model_defaults.jsonl")
     args = parser.parse_args(argv)
 
-    x_train, y_train, x_test, y_test, x_ood = load(args.mnist_path, args.train_subset)
+    x_train, y_train, x_test, y_test, x_ood = load(
+        args.mnist_path, args.train_subset, args.standardize
+    )
     keras.utils.set_random_seed(args.seed)
     backbone = BACKBONES[args.backbone]()
     backbone = append_feature_layer(backbone, args.feature_layer)
+    if args.input_normalization:
+        # Standardisation inside the model, adapted on the training images.
+        normalization = keras.layers.Normalization()
+        normalization.adapt(x_train[:10000])
+        backbone = keras.Sequential([keras.Input((28, 28, 1)), normalization, backbone])
     wrap_kwargs = json.loads(args.wrap_json)
     if args.head == "duq":
         model = keras_duq.wrap(backbone, 10, **wrap_kwargs)
@@ -220,6 +243,8 @@ def main(argv=None):
         "head": args.head,
         "wrap_kwargs": wrap_kwargs,
         "feature_layer": args.feature_layer,
+        "standardize": args.standardize,
+        "input_normalization": args.input_normalization,
         "optimizer": args.optimizer,
         "seed": args.seed,
         "train_subset": args.train_subset,

@@ -1,0 +1,95 @@
+"""Runs the README's quickstart as written, for several seeds, and reports its numbers.
+
+The quickstart is the first ```python block after the "## Quickstart"
+heading of README.md. It is executed unchanged except for two things: a
+`keras.utils.set_random_seed(seed)` line before it, and, with `--mnist-path`,
+the MNIST download replaced by `keras_duq.datasets.load_mnist_test(path)`
+for machines without network (the same images). The block must leave
+`accuracy` and `metrics` (the output of `evaluation.ood_metrics`) defined.
+
+Example:
+
+```bash
+KERAS_HOME=../shared/data/keras python benchmarks/readme_quickstart.py \
+    --seeds 0 1 2 --mnist-path ../shared/data/mnist --output quickstart.json
+```
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import platform
+import re
+import statistics
+import time
+
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+MNIST_LINE = "(_, _), (x_ood, _) = keras.datasets.mnist.load_data()"
+
+
+def quickstart_code(readme: str = README.read_text()) -> str:
+    """The first python block after the Quickstart heading."""
+    section = readme.split("## Quickstart", 1)[1]
+    match = re.search(r"```python\n(.*?)```", section, re.DOTALL)
+    return match.group(1)
+
+
+def run(seed: int, mnist_path: str | None) -> dict:
+    code = quickstart_code()
+    if mnist_path:
+        if MNIST_LINE not in code:
+            raise ValueError(f"The quickstart no longer contains {MNIST_LINE!r}.")
+        code = code.replace(
+            MNIST_LINE,
+            f"x_ood, _ = keras_duq.datasets.load_mnist_test({mnist_path!r})",
+        )
+    namespace: dict = {}
+    start = time.time()
+    exec(f"import keras\nkeras.utils.set_random_seed({seed})\n" + code, namespace)
+    return {
+        "seed": seed,
+        "accuracy": float(namespace["accuracy"]),
+        "auroc": float(namespace["metrics"]["auroc"]),
+        "seconds": time.time() - start,
+    }
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--mnist-path", default=None)
+    parser.add_argument("--output", default=None)
+    args = parser.parse_args(argv)
+    import keras
+    import tensorflow as tf
+
+    import keras_duq
+
+    runs = [run(seed, args.mnist_path) for seed in args.seeds]
+    summary = {
+        key: {
+            "mean": statistics.mean(r[key] for r in runs),
+            "min": min(r[key] for r in runs),
+            "max": max(r[key] for r in runs),
+        }
+        for key in ("accuracy", "auroc")
+    }
+    report = {
+        "runs": runs,
+        "summary": summary,
+        "code": quickstart_code(),
+        "keras_duq": keras_duq.__version__,
+        "keras": keras.__version__,
+        "tensorflow": tf.__version__,
+        "cpu": platform.processor() or platform.machine(),
+    }
+    print(json.dumps(summary, indent=2))
+    if args.output:
+        pathlib.Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()
