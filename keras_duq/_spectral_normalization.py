@@ -42,11 +42,11 @@ class SpectralNormalization(keras.layers.Wrapper):
     **Which norm.** For `Dense`, the spectral norm of the kernel matrix. For
     convolutions, the operator norm of the convolution itself on the layer's
     input size (padding, strides and dilation included), by power iteration
-    through the convolution and its transpose, as DUE does; the norm of the
-    kernel reshaped to a matrix would be the wrong quantity (it can be off by
-    up to a factor `sqrt(kernel height * kernel width)` either way). A
-    convolution therefore needs a fixed input size (spatial dimensions not
-    `None`). For `DepthwiseConv2D` (and grouped convolutions), the iteration
+    through the convolution and its transpose, as DUE does. The norm of the
+    kernel reshaped to a matrix would not bound the layer: it underestimates
+    the operator norm, by up to a factor `sqrt(kernel height * kernel
+    width)`. A convolution therefore needs a fixed input size (spatial
+    dimensions not `None`). For `DepthwiseConv2D` (and grouped convolutions), the iteration
     runs through the equivalent full convolution, whose kernel is zero
     between groups: exact, at the cost of one full convolution of a single
     input per iteration.
