@@ -46,11 +46,20 @@ import warnings
 
 from keras_duq._duq_model import DUQModel
 from keras_duq._duq_output import DUQOutput
+from keras_duq._spectral_normalization import SpectralNormalization
+from keras_duq._spectral_normalization import spectral_normalize
 from keras_duq._wrap import wrap
 
 __version__ = "0.2.0"
 
-__all__ = ["DUQModel", "DUQOutput", "wrap", "__version__"]
+__all__ = [
+    "DUQModel",
+    "DUQOutput",
+    "SpectralNormalization",
+    "spectral_normalize",
+    "wrap",
+    "__version__",
+]
 
 _SUBMODULES = ("callbacks", "datasets", "evaluation", "plots")
 
