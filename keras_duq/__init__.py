@@ -52,7 +52,7 @@ __version__ = "0.2.0"
 
 __all__ = ["DUQModel", "DUQOutput", "wrap", "__version__"]
 
-_SUBMODULES = ("callbacks", "datasets", "evaluation", "plots")
+_SUBMODULES = ("callbacks", "datasets", "evaluation", "plots", "tuning")
 
 # keras_duq 0.1 exported these at the top level; they still work, with a
 # warning that names their new home.
