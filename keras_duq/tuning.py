@@ -163,10 +163,12 @@ def search(
        `gradient_penalties` reuses stage 1's model.
 
     Every trial starts from the same seed, so trials differ by their
-    hyperparameters, not by their initial weights or data order. The
-    search trains `len(length_scales)` plus `len(gradient_penalties)` models
-    of `epochs` epochs each and returns the choice, not a model: wrap a
-    fresh backbone with `result.best` and train it in full.
+    hyperparameters, not by their initial weights or data order (an
+    initializer instance in `wrap_kwargs` is copied for each trial, so that
+    it too draws from the seed). The search trains one model per length
+    scale and one per non-zero penalty weight, `epochs` epochs each, and
+    returns the choice, not a model: wrap a fresh backbone with
+    `result.best` and train it in full.
 
     The search sets the global random seeds (`keras.utils.set_random_seed`)
     before each trial. It does not call `keras.backend.clear_session()`,
@@ -325,9 +327,17 @@ class _Trainer:
                 f"backbone {getattr(backbone, 'name', backbone)!r}"
             )
         self.backbones.append(weakref.ref(backbone))
+        # An initializer instance drew its seed when it was made; a copy made
+        # now draws it from the trial's seed, as one given by name does.
+        wrap_kwargs = {
+            key: value.__class__.from_config(value.get_config())
+            if isinstance(value, keras.initializers.Initializer)
+            else value
+            for key, value in self.wrap_kwargs.items()
+        }
         model = wrap(
             backbone, self.num_classes, length_scale=length_scale,
-            gradient_penalty=gradient_penalty, **self.wrap_kwargs,
+            gradient_penalty=gradient_penalty, **wrap_kwargs,
         )
         optimizer = self.make_optimizer()
         if not isinstance(optimizer, keras.optimizers.Optimizer):
@@ -486,7 +496,8 @@ def _choose_gradient_penalty(candidates, stage_1_trial, tolerance):
     if 0 < best["val_errors"] < _FEW_ERRORS:
         warnings.warn(
             f"The chosen penalty weight's misclassification AUROC rests on "
-            f"{best['val_errors']} wrong validation predictions, too few to "
+            f"{best['val_errors']} wrong validation "
+            f"prediction{'s' if best['val_errors'] > 1 else ''}, too few to "
             "tell penalty weights apart reliably. Use more validation data "
             f"(at least {_FEW_ERRORS} wrong predictions) for a firmer choice.",
             UserWarning,
