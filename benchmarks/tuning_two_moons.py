@@ -2,14 +2,15 @@
 
 For each seed: the search chooses the length scale and the gradient penalty
 on a separate draw of 500 two-moons validation points (in-distribution
-only), with the demo's backbone, head and optimizer and 10 epochs per trial
+only), with the demo's backbone (or the paper's MLP), head and optimizer and 10 epochs per trial
 (the demo trains 30). Then a fresh model is trained with the chosen values
 exactly as the demo trains (30 epochs) and checked against the demo's bar
 (test accuracy >= 0.98, mean certainty on far points <= 0.05, AUROC test vs
 far >= 0.99), beside the demo itself with the paper's values (length scale
 0.3, penalty 1.0). Writes benchmarks/tuning_two_moons.json.
 
-    python benchmarks/tuning_two_moons.py                 # seeds 0 1 2
+    python benchmarks/tuning_two_moons.py                     # seeds 0 1 2
+    python benchmarks/tuning_two_moons.py --backbone paper    # the paper's MLP
     python benchmarks/tuning_two_moons.py --seeds 0 --epochs-per-trial 5
 """
 
@@ -56,12 +57,12 @@ def demo_optimizer():
     return keras.optimizers.SGD(0.01, momentum=0.9)
 
 
-def train_and_check(seed, best, epochs=30):
+def train_and_check(seed, best, backbone, epochs=30):
     """The demo's training and metrics, with the chosen values."""
     keras.utils.set_random_seed(seed)
     (x_train, y_train), (x_test, y_test), x_far = two_moons.make_data(seed)
     model = keras_duq.wrap(
-        two_moons.build_backbone(), num_classes=2, **demo_wrap(), **best
+        two_moons.build_backbone(backbone), num_classes=2, **demo_wrap(), **best
     )
     model.compile(optimizer=demo_optimizer())
     model.fit(x_train, y_train, batch_size=64, epochs=epochs, verbose=0)
@@ -86,12 +87,12 @@ def resident_megabytes():
     return None
 
 
-def run_seed(seed, epochs_per_trial):
+def run_seed(seed, epochs_per_trial, backbone):
     (x_train, y_train), _, _ = two_moons.make_data(seed)
     x_val, y_val = make_moons(NUM_VALIDATION, noise=0.1, random_state=seed + 2000)
     start = time.perf_counter()
     result = keras_duq.tuning.search(
-        two_moons.build_backbone,
+        lambda: two_moons.build_backbone(backbone),
         x_train,
         y_train,
         validation_data=(x_val.astype("float32"), y_val),
@@ -103,8 +104,8 @@ def run_seed(seed, epochs_per_trial):
     )
     search_seconds = time.perf_counter() - start
     print(result.summary())
-    chosen = train_and_check(seed, result.best)
-    paper = two_moons.run(seed)
+    chosen = train_and_check(seed, result.best, backbone)
+    paper = two_moons.run(seed, backbone=backbone)
     print(
         f"seed {seed}: chose {result.best} in {search_seconds:.0f} s; "
         f"chosen: {chosen}; paper's values: accuracy {paper['test_accuracy']:.3f}, "
@@ -146,11 +147,17 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--epochs-per-trial", type=int, default=10)
-    parser.add_argument("--output", default=str(ROOT / "benchmarks" / "tuning_two_moons.json"))
+    parser.add_argument("--backbone", choices=("residual_sn", "paper"), default="residual_sn")
+    parser.add_argument(
+        "--output", help="default: benchmarks/tuning_two_moons[_paper].json"
+    )
     args = parser.parse_args(argv)
-    runs = [run_seed(seed, args.epochs_per_trial) for seed in args.seeds]
+    suffix = "" if args.backbone == "residual_sn" else f"_{args.backbone}"
+    output = args.output or str(ROOT / "benchmarks" / f"tuning_two_moons{suffix}.json")
+    runs = [run_seed(seed, args.epochs_per_trial, args.backbone) for seed in args.seeds]
     report = {
         "description": __doc__.splitlines()[0],
+        "backbone": args.backbone,
         "epochs_per_trial": args.epochs_per_trial,
         "num_validation": NUM_VALIDATION,
         "paper": PAPER,
@@ -161,8 +168,8 @@ def main(argv=None):
         import tensorflow as tf
 
         report["environment"]["tensorflow"] = tf.__version__
-    Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.output}")
+    Path(output).write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {output}")
 
 
 if __name__ == "__main__":

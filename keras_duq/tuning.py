@@ -280,9 +280,8 @@ def search(
         (x, y), (x_val, y_val), epochs, batch_size, seed, verbose,
         total=len(length_scales) + sum(1 for gp in gradient_penalties if gp > 0),
     )
-    trainer.check(length_scales[0], max(gradient_penalties))
-
     with _quiet_retracing():
+        trainer.check(length_scales[0], max(gradient_penalties))
         stage_1 = [trainer.run(1, length_scale, 0.0) for length_scale in length_scales]
         chosen = _choose_length_scale(stage_1)
         candidates = [
@@ -436,16 +435,21 @@ def _finite_or(value, fallback):
     return value if math.isfinite(value) else fallback
 
 
-def _choose_length_scale(stage_1):
-    finished = [trial for trial in stage_1 if not trial["diverged"]]
+def _finished(trials, what, key, argument):
+    """The trials that did not diverge; raises if there are none."""
+    finished = [trial for trial in trials if not trial["diverged"]]
     if not finished:
         raise RuntimeError(
-            "Every length scale's training stopped at a non-finite step "
+            f"Every {what}'s training stopped at a non-finite step "
             f"({NON_FINITE_TRAINING_MESSAGE}) Received: "
-            f"`length_scales={[trial['length_scale'] for trial in stage_1]}`"
+            f"`{argument}={[trial[key] for trial in trials]}`"
         )
+    return finished
+
+
+def _choose_length_scale(stage_1):
     return max(
-        finished,
+        _finished(stage_1, "length scale", "length_scale", "length_scales"),
         key=lambda trial: (
             trial["val_accuracy"],
             _finite_or(trial["val_misclassification_auroc"], -math.inf),
@@ -455,13 +459,9 @@ def _choose_length_scale(stage_1):
 
 
 def _choose_gradient_penalty(candidates, stage_1_trial, tolerance):
-    finished = [trial for trial in candidates if not trial["diverged"]]
-    if not finished:
-        raise RuntimeError(
-            "Every penalty weight's training stopped at a non-finite step "
-            f"({NON_FINITE_TRAINING_MESSAGE}) Try smaller weights. Received: "
-            f"`gradient_penalties={[trial['gradient_penalty'] for trial in candidates]}`"
-        )
+    finished = _finished(
+        candidates, "penalty weight", "gradient_penalty", "gradient_penalties"
+    )
     reference = max(trial["val_accuracy"] for trial in finished + [stage_1_trial])
     eligible = [t for t in finished if t["val_accuracy"] >= reference - tolerance]
     if not eligible:
