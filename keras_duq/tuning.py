@@ -94,9 +94,21 @@ class SearchResult:
             `"val_accuracy"`, `"val_misclassification_auroc"` (`nan` when
             every validation prediction is right, or every one wrong),
             `"val_errors"` (wrong validation predictions), `"diverged"`
-            (training stopped at a non-finite step; its metrics are `nan`)
-            and `"seconds"` (training and validation time).
+            (training stopped at a non-finite step; its metrics are `nan`
+            and `"val_errors"` is `-1`) and `"seconds"` (training and
+            validation time).
         seed: int, the seed every trial started from.
+
+    Example:
+
+    ```python
+    result = keras_duq.tuning.search(build_backbone, x, y,
+                                     validation_data=(x_val, y_val),
+                                     num_classes=10)
+    print(result.summary())
+    result.best_trial["val_accuracy"]
+    json.dump({"best": result.best, "trials": result.trials}, file)
+    ```
     """
 
     best: dict
@@ -184,7 +196,7 @@ def search(
         epochs=5, optimizer=lambda: keras.optimizers.SGD(0.05, momentum=0.9),
         centroid_dims=256, momentum=0.999,
     )
-    result.best    # {"length_scale": 0.1, "gradient_penalty": 0.05}
+    result.best    # {"length_scale": ..., "gradient_penalty": ...}
     model = keras_duq.wrap(
         build_backbone(), num_classes=10,
         centroid_dims=256, momentum=0.999, **result.best,

@@ -199,13 +199,16 @@ def test_diverged_trials_are_not_chosen():
         tuning._choose_length_scale(trials[:1])
 
 
-def test_training_that_diverges_everywhere_raises():
+def test_training_that_diverges_everywhere_raises(capsys):
     with pytest.raises(RuntimeError, match="Every length scale.*non-finite"):
         _search(
             length_scales=[0.1],
             gradient_penalties=[0.1],
             optimizer=lambda: keras.optimizers.SGD(1e30),
+            verbose=1,
         )
+    assert "Trial 1/2 (stage 1): length_scale=0.1, gradient_penalty=0: stopped " \
+        "at a non-finite step" in capsys.readouterr().out
 
 
 def test_max_trials_thins_default_grids_and_keeps_explicit_ones():
