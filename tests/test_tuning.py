@@ -7,6 +7,7 @@ benchmarks/tuning_two_moons.py (docs/tuning.md).
 """
 
 import json
+import logging
 import math
 import warnings
 
@@ -58,8 +59,25 @@ def user_model():
     return model, model.predict(X[:8], verbose=0)
 
 
+_TENSORFLOW_LOG = []
+
+
+class _Recorder(logging.Handler):
+    def emit(self, record):
+        _TENSORFLOW_LOG.append(record.getMessage())
+
+
 @pytest.fixture(scope="module")
 def result(user_model):
+    recorder = _Recorder()
+    logging.getLogger("tensorflow").addHandler(recorder)
+    try:
+        yield _searched()
+    finally:
+        logging.getLogger("tensorflow").removeHandler(recorder)
+
+
+def _searched():
     # Labels in the other accepted forms: (n, 1) and one-hot.
     return _search(
         y=Y[:, None],
@@ -147,6 +165,13 @@ def test_search_leaves_the_users_models_and_settings(result, user_model):
     model, before = user_model
     np.testing.assert_array_equal(model.predict(X[:8], verbose=0), before)
     assert keras.config.dtype_policy().name == "float32"
+    assert not logging.getLogger("tensorflow").filters
+
+
+def test_search_is_quiet_about_retracing(result):
+    # Six models (the check's and five trials) each trace `predict` once,
+    # which TensorFlow reports as retracing from the fifth on.
+    assert not [message for message in _TENSORFLOW_LOG if "retracing" in message]
 
 
 def _trial(gradient_penalty, accuracy, auroc, errors=40):
