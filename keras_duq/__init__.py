@@ -61,7 +61,7 @@ __all__ = [
     "__version__",
 ]
 
-_SUBMODULES = ("callbacks", "datasets", "evaluation", "plots")
+_SUBMODULES = ("callbacks", "datasets", "evaluation", "plots", "tuning")
 
 # keras_duq 0.1 exported these at the top level; they still work, with a
 # warning that names their new home.
