@@ -1,4 +1,4 @@
-"""Keras callbacks for uncertainty evaluation during `fit`."""
+"""Keras callbacks for uncertainty evaluation and health checks during `fit`."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 import keras
 import numpy as np
 
+from keras_duq._health import HealthCheck  # noqa: F401 - public here
 from keras_duq._validation import check_int
 from keras_duq.evaluation import CERTAINTY_METHODS
 from keras_duq.evaluation import certainty_scores
