@@ -53,10 +53,12 @@ CENTROID_OVERLAP = 0.5
 # A class whose centroid count gained less than this fraction of what the
 # most frequent class's gained during `fit` received (almost) no examples.
 UNSEEN_CLASS_SHARE = 1e-3
-# Training steps before the epoch's training and validation numbers are
-# checked: a fresh model's kernel values underflow until its embeddings reach
-# the centroids.
+# A fresh DUQ model's kernel values underflow until its embeddings reach the
+# centroids, and the centroids start random: `fit` checks nothing before this
+# many steps, and before the centroids' moving averages owe at least this
+# share to data.
 WARMUP_STEPS = 100
+WARMUP_DATA_SHARE = 0.5
 # Examples drawn from in-memory inputs for the once-per-epoch checks (at
 # least the batch size).
 SAMPLE_SIZE = 64
@@ -285,6 +287,7 @@ def _check_underflow(model, fraction, mode, where):
 
 
 def _check_batch_norm(model, comparison, where):
+    _state(model)["compared_at"] = _iterations(model)
     if not comparison.layers:
         return
     if comparison.gap <= BATCH_NORM_GAP or not comparison.unsettled:
@@ -369,6 +372,23 @@ def _record_centroid_start(model):
         state["centroid_start"] = (_float64(model.duq_output.centroid_counts), iterations)
 
 
+def _warmed_up(model):
+    """Whether `model` is past DUQ's start-up (see `WARMUP_STEPS`)."""
+    iterations = _iterations(model)
+    if iterations is None or iterations < WARMUP_STEPS:
+        return False
+    layer = model.duq_output
+    prior = (
+        _ops.BIAS_CORRECTED_CENTROID_COUNT
+        if layer.bias_correction
+        else _ops.INITIAL_CENTROID_COUNT
+    )
+    # What is left of the initial count; the mean over classes, so that a
+    # class never seen does not hold the checks back.
+    initial = prior * layer.momentum**iterations
+    return bool(initial <= (1.0 - WARMUP_DATA_SHARE) * _float64(layer.centroid_counts).mean())
+
+
 def _check_unseen_classes(model):
     """Warns about classes whose centroid gained nothing since the first `fit`."""
     counts_before, iterations_before = _state(model)["centroid_start"]
@@ -421,7 +441,6 @@ def _compare_modes(model, inputs):
     """The `_ModeComparison` on `inputs` (or `None` without inputs)."""
     if inputs is None:
         return None
-    _state(model)["compared_at"] = _iterations(model)
     return _ModeComparison(model, inputs)
 
 
@@ -446,8 +465,8 @@ def check_predictions(model, kernel_values, inputs):
         fraction = float(np.mean(kernel_values.max(axis=1) < UNDERFLOW_KERNEL_VALUE))
         _check_underflow(model, fraction, "inference", "`predict`")
     state = _state(model)
-    # `predict` runs often (in callbacks, on grids): compare the modes once
-    # per set of weights.
+    # `predict` runs often (in callbacks, on grids): check the modes once per
+    # set of weights.
     if "batch_norm" in state["warned"] or state["compared_at"] == _iterations(model):
         return
     if _batch_norm_layers(model.feature_extractor):
@@ -482,12 +501,16 @@ class HealthCheck(keras.callbacks.Callback):
       the training examples (two-sided penalty), so the penalty is constant.
 
     When: a freshly initialised DUQ model's kernel values underflow until
-    its embeddings reach the centroids, and BatchNormalization statistics
-    start unsettled. So `fit` checks nothing before the model's 100th
-    training step: from then on it checks each epoch's training and
-    validation numbers (from the first epoch that starts after that step)
-    and, at its end, the model's state (features in both modes on one
-    batch, the centroids, the classes seen). `evaluate` and `predict`, whose
+    its embeddings reach the centroids, the centroids start random, and
+    BatchNormalization statistics start unsettled. So `fit` checks nothing
+    before the model has trained 100 steps and its centroids' moving
+    averages owe at least half to data (about 660 steps with the default
+    centroid `momentum=0.999`, batches of 128 and 10 classes, without bias
+    correction). From
+    then on it checks each epoch's training and validation numbers (from
+    the first epoch that starts after that) and, at its end, the model's
+    state (features in both modes on one batch, the centroids, the classes
+    seen). `evaluate` and `predict`, whose
     outputs are being used, check the model's state whenever they run.
 
     At the end of each epoch it adds to the logs `centroid_overlap` (the
@@ -520,7 +543,7 @@ class HealthCheck(keras.callbacks.Callback):
         super().__init__()
         self.inputs = inputs
         self._in_fit = False
-        self._epoch_start = None
+        self._epoch_warmed_up = False
 
     def _checked_model(self):
         if not hasattr(self.model, "duq_output"):
@@ -530,20 +553,17 @@ class HealthCheck(keras.callbacks.Callback):
             )
         return self.model
 
-    def _warmed_up(self):
-        return self._epoch_start is not None and self._epoch_start >= WARMUP_STEPS
-
     def on_train_begin(self, logs=None):
         self._in_fit = True
         _record_centroid_start(self._checked_model())
 
     def on_epoch_begin(self, epoch, logs=None):
-        self._epoch_start = _iterations(self.model)
+        self._epoch_warmed_up = _warmed_up(self._checked_model())
 
     def on_epoch_end(self, epoch, logs=None):
         model = self._checked_model()
         logs = {} if logs is None else logs
-        if self._warmed_up():
+        if self._epoch_warmed_up:
             where = f"`fit`, epoch {epoch + 1}"
             _check_underflow(model, logs.get("underflow"), "training", where)
             _check_constant_penalty(model, logs.get("zero_input_gradient"), where)
@@ -556,7 +576,7 @@ class HealthCheck(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         model = self._checked_model()
         self._in_fit = False
-        if _iterations(model) >= WARMUP_STEPS:
+        if _warmed_up(model):
             _check_final_state(model, self.inputs, "end of `fit`", training=True)
             _check_unseen_classes(model)
 
@@ -566,7 +586,7 @@ class HealthCheck(keras.callbacks.Callback):
         if not self._in_fit:
             _check_underflow(model, logs.get("underflow"), "inference", "`evaluate`")
             _check_final_state(model, self.inputs, "`evaluate`")
-        elif self._warmed_up():
+        elif self._epoch_warmed_up:
             _check_underflow(model, logs.get("underflow"), "inference", "validation data")
 
 
