@@ -731,7 +731,7 @@ def recompute_batch_norm_statistics(model, data, steps: int | None = None, batch
 
 def _batches(data, batch_size, steps):
     """Batches of inputs from `data`, at most `steps` of them."""
-    if isinstance(data, tuple) and not _is_stream(data):
+    if isinstance(data, tuple):
         data = _inputs_of(data)
     if _is_stream(data):
         if isinstance(data, keras.utils.PyDataset):

@@ -377,12 +377,23 @@ def test_jax_backend_warns_too():
         model.compile(optimizer="sgd")
         rng = np.random.default_rng(0)
         x = rng.normal(size=(400, 4)).astype("float32"); y = np.arange(400) % 3
+        inputs = keras.Input((4,))
+        features = keras.layers.Dense(8)(keras.layers.BatchNormalization()(inputs))
+        unsettled = keras_duq.DUQModel(
+            inputs, keras_duq.DUQOutput(3, centroid_dims=6, length_scale=0.5)(features))
+        unsettled.compile(optimizer="sgd")
         with warnings.catch_warnings(record=True) as record:
             warnings.simplefilter("always")
             history = model.fit(x, y, batch_size=4, epochs=2, verbose=0).history
+            unsettled.evaluate(5.0 + 10.0 * x, y, verbose=0)
+        names = keras_duq.recompute_batch_norm_statistics(unsettled, 5.0 + 10.0 * x, batch_size=400)
+        from keras_duq import _health
+        gap = _health._ModeComparison(unsettled, 5.0 + 10.0 * x).gap
         print(json.dumps({
             "warnings": sorted({w.category.__name__ for w in record
                                 if issubclass(w.category, keras_duq.DUQHealthWarning)}),
+            "gap_after_recompute": gap,
+            "names": names,
             "zero_input_gradient": history["zero_input_gradient"],
         }))
     """
@@ -393,8 +404,11 @@ def test_jax_backend_warns_too():
     )
     assert result.returncode == 0, result.stderr[-4000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
-    assert out["warnings"] == ["CentroidWarning", "ConstantPenaltyWarning"]
+    assert out["warnings"] == [
+        "BatchNormStatisticsWarning", "CentroidWarning", "ConstantPenaltyWarning"
+    ]
     assert out["zero_input_gradient"] == [1.0, 1.0]
+    assert len(out["names"]) == 1 and out["gap_after_recompute"] < 1e-4
 
 
 @pytest.mark.slow
