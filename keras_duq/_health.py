@@ -16,6 +16,7 @@ batch of inputs (`batch_norm_gap`, `centroid_overlap`).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 import warnings
@@ -99,15 +100,39 @@ class ConstantPenaltyWarning(DUQHealthWarning):
 
 
 # Per model: the causes it has warned about, the optimizer step at which its
-# inference-mode features were last compared with training-mode ones, and its
-# centroid counts at the start of its first `fit` (with the step).
+# inference-mode features were last compared with training-mode ones, its
+# centroid counts at the start of its first `fit` (with the step), a batch
+# of its last `fit`'s inputs, and whether `predict` is given OoD inputs.
 _STATE = weakref.WeakKeyDictionary()
 
 
 def _state(model):
     return _STATE.setdefault(
-        model, {"warned": set(), "compared_at": None, "centroid_start": None}
+        model,
+        {
+            "warned": set(),
+            "compared_at": None,
+            "centroid_start": None,
+            "training_inputs": None,
+            "out_of_distribution": 0,
+        },
     )
+
+
+@contextlib.contextmanager
+def out_of_distribution(model):
+    """Within the block, `model.predict` checks nothing: its inputs are meant to be OoD.
+
+    Out-of-distribution inputs should get kernel values near 0, and
+    BatchNormalization's batch statistics on them differ from the moving
+    ones by nature.
+    """
+    state = _state(model)
+    state["out_of_distribution"] += 1
+    try:
+        yield
+    finally:
+        state["out_of_distribution"] -= 1
 
 
 def _warn(model, cause, category, message):
@@ -459,18 +484,26 @@ def _check_final_state(model, inputs, where, training=False):
     _check_centroid_overlap(model, where)
 
 
-def check_predictions(model, kernel_values, inputs):
-    """The checks after `predict`: inference-mode underflow, unsettled BatchNormalization."""
+def check_predictions(model, kernel_values):
+    """The checks after `predict`: inference-mode underflow, unsettled BatchNormalization.
+
+    The modes are compared on a batch of the last `fit`'s inputs, not on
+    `predict`'s own: on inputs unlike the training data (out of
+    distribution, say) BatchNormalization's batch statistics differ from
+    the moving ones by nature.
+    """
+    state = _state(model)
+    if state["out_of_distribution"]:
+        return
     if isinstance(kernel_values, np.ndarray) and kernel_values.ndim == 2 and len(kernel_values):
         fraction = float(np.mean(kernel_values.max(axis=1) < UNDERFLOW_KERNEL_VALUE))
         _check_underflow(model, fraction, "inference", "`predict`")
-    state = _state(model)
     # `predict` runs often (in callbacks, on grids): check the modes once per
     # set of weights.
     if "batch_norm" in state["warned"] or state["compared_at"] == _iterations(model):
         return
     if _batch_norm_layers(model.feature_extractor):
-        comparison = _compare_modes(model, inputs)
+        comparison = _compare_modes(model, state["training_inputs"])
         if comparison is not None:
             _check_batch_norm(model, comparison, "`predict`")
 
@@ -534,9 +567,11 @@ class HealthCheck(keras.callbacks.Callback):
         inputs: optional batch of model inputs (an array, or a list or dict
             of arrays, as `predict` takes them; a few dozen to a few hundred
             examples) on which training- and inference-mode features are
-            compared. `fit` and `evaluate` pass a random batch of their
-            inputs when these are in-memory arrays, a `tf.data.Dataset` or a
-            `keras.utils.PyDataset`; `None` skips these comparisons.
+            compared (in `fit`, training inputs: `predict` then compares
+            the modes on them too). `fit` and `evaluate` pass a random batch
+            of their inputs when these are in-memory arrays, a
+            `tf.data.Dataset` or a `keras.utils.PyDataset`; `None` skips
+            these comparisons.
     """
 
     def __init__(self, inputs=None):
@@ -555,7 +590,10 @@ class HealthCheck(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         self._in_fit = True
-        _record_centroid_start(self._checked_model())
+        model = self._checked_model()
+        _record_centroid_start(model)
+        if self.inputs is not None:
+            _state(model)["training_inputs"] = self.inputs
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch_warmed_up = _warmed_up(self._checked_model())
@@ -603,14 +641,9 @@ def with_health_check(model, method, args, kwargs):
     callbacks = list(callbacks or [])
     if any(isinstance(callback, HealthCheck) for callback in callbacks):
         return args, kwargs
-    arguments["callbacks"] = [HealthCheck(sample_call_inputs(method, args, kwargs))] + callbacks
+    inputs = sample_inputs(arguments.get("x"), arguments.get("batch_size"))
+    arguments["callbacks"] = [HealthCheck(inputs)] + callbacks
     return bound.args, bound.kwargs
-
-
-def sample_call_inputs(method, args, kwargs):
-    """`sample_inputs` of the `x` and `batch_size` of a call of `method`."""
-    arguments = inspect.signature(method).bind(*args, **kwargs).arguments
-    return sample_inputs(arguments.get("x"), arguments.get("batch_size"))
 
 
 def sample_inputs(x, batch_size=None):
