@@ -72,7 +72,10 @@ def cpu_name():
 def quartiles(ratios):
     """The median and quartiles of the per-pair ratios (with / without checks)."""
     q1, median, q3 = np.percentile(ratios, [25, 50, 75])
-    return {"median": round(float(median), 4), "quartiles": [round(float(q1), 4), round(float(q3), 4)]}
+    return {
+        "median": round(float(median), 4),
+        "quartiles": [round(float(q1), 4), round(float(q3), 4)],
+    }
 
 
 def seconds(function, repeats=5):

@@ -57,9 +57,10 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
     is on) and `accuracy`; with `health_checks`, also `certainty` (mean
     largest kernel value), `underflow` (fraction of examples whose kernel
     values all underflow) and, with the two-sided penalty,
-    `zero_input_gradient` (fraction of examples whose input gradient is ~0),
-    and `fit` adds `centroid_overlap` and `batch_norm_gap` per epoch. Metrics passed to `compile(metrics=[...])` get the
-    labels as given and the kernel values as `y_pred`. Do not pass a `loss` to
+    `zero_input_gradient` (fraction of examples whose input gradient is
+    ~0), and `fit` adds `centroid_overlap` and `batch_norm_gap` per epoch
+    (docs/health_checks.md). Metrics passed to `compile(metrics=[...])` get
+    the labels as given and the kernel values as `y_pred`. Do not pass a `loss` to
     `compile`: the DUQ loss is built in.
 
     Labels may be sparse integers `(batch,)` or `(batch, 1)`, or one-hot
@@ -158,6 +159,11 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
         check_non_negative("bce_epsilon", bce_epsilon)
         check_positive_int("penalty_interval", penalty_interval)
         _ops.validate_penalty(penalty)
+        if not isinstance(health_checks, bool):
+            raise ValueError(
+                "Expected `health_checks` to be True or False. "
+                f"Received: `health_checks={health_checks!r}`"
+            )
         duq_output = _find_duq_output(inputs, outputs)
         feature_extractor = keras.Model(
             inputs, duq_output.input, name="feature_extractor"
@@ -189,7 +195,7 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
             else None
         )
         self._accuracy_tracker = keras.metrics.Mean(name="accuracy")
-        self.health_checks = bool(health_checks)
+        self.health_checks = health_checks
         self._health_trackers = (
             _health.batch_trackers(self.gradient_penalty, penalty)
             if self.health_checks

@@ -88,7 +88,7 @@ class KernelUnderflowWarning(DUQHealthWarning):
 
 
 class BatchNormStatisticsWarning(DUQHealthWarning):
-    """Inference-mode features are far from training-mode ones: BatchNormalization statistics not settled."""
+    """Inference-mode features far from training-mode ones: BatchNormalization not settled."""
 
 
 class CentroidWarning(DUQHealthWarning):
@@ -220,7 +220,7 @@ def _batch_norm_statistics(model, layers, inputs):
 
 
 def _normalisation_error(layer, mean, variance):
-    """RMS over channels of the error, in standard deviations, of normalising with the moving statistics."""
+    """RMS over channels of the error (in standard deviations) of the moving statistics."""
     moving_mean = _float64(layer.moving_mean)
     moving_variance = _float64(layer.moving_variance)
     moving_std = np.sqrt(moving_variance + layer.epsilon)
@@ -345,7 +345,7 @@ def _check_batch_norm(model, comparison, where):
 
 
 def _centroid_overlap(layer):
-    """`(kernel value, class, other class)`: the largest kernel value of a class at another's centroid."""
+    """`(kernel value, class, other)`: the largest kernel value of a class at another's centroid."""
     centroids = layer.centroids
     classes = layer.num_classes
     # Row j holds centroid j in every class's slot: the distance of each
@@ -574,7 +574,7 @@ class HealthCheck(keras.callbacks.Callback):
             these comparisons.
     """
 
-    def __init__(self, inputs=None):
+    def __init__(self, inputs=None) -> None:
         super().__init__()
         self.inputs = inputs
         self._in_fit = False
@@ -686,7 +686,9 @@ def _as_arrays(x):
 # ------------------------------------------------- BatchNormalization fix
 
 
-def recompute_batch_norm_statistics(model, data, steps: int | None = None, batch_size: int = 128) -> list:
+def recompute_batch_norm_statistics(
+    model: keras.layers.Layer, data, steps: int | None = None, batch_size: int = 128
+) -> list[str]:
     """Re-estimates the moving statistics of every BatchNormalization layer from data.
 
     A short training, or a `momentum` close to 1, leaves BatchNormalization's

@@ -129,6 +129,8 @@ def test_health_checks_false_logs_and_warns_nothing():
         keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)]), 2, health_checks=False
     )
     assert wrapped.health_checks is False
+    with pytest.raises(ValueError, match="`health_checks=1`"):
+        _model(health_checks=1)
 
 
 # ------------------------------------------------------------ each failure
@@ -328,7 +330,9 @@ def test_recompute_batch_norm_statistics_settles_them():
     )
     frozen = keras.layers.BatchNormalization(name="frozen_bn")
     frozen.trainable = False
-    model = _model(layers=[nested, frozen, keras.layers.Dense(6), keras.layers.BatchNormalization()])
+    model = _model(
+        layers=[nested, frozen, keras.layers.Dense(6), keras.layers.BatchNormalization()]
+    )
     x, y = _data(n=256, scale=10.0, shift=5.0)
     _fit(model, x[:32], y[:32], batch_size=16)
     assert _relative_gap(model, x) > 0.5
