@@ -13,12 +13,17 @@ The core:
   centroid moving-average state).
 - `DUQModel`: the model with the DUQ training step (loss, gradient penalty by
   double backprop, coupled weight decay, centroid update).
+- `DUQHealthWarning` and its subclasses: what `fit`, `evaluate` and
+  `predict` warn about when DUQ fails quietly; and
+  `recompute_batch_norm_statistics(model, x)`, the fix for unsettled
+  BatchNormalization statistics.
 
 Around it, each in its own namespace (imported on first use):
 
 - `keras_duq.evaluation`: certainty scores, OoD metrics (AUROC, AUPR,
   FPR at 95% TPR), misclassification AUROC, rejection curves.
-- `keras_duq.callbacks`: `OODEvaluation`, OoD metrics logged during `fit`.
+- `keras_duq.callbacks`: `OODEvaluation`, OoD metrics logged during `fit`;
+  `HealthCheck`, the health checks.
 - `keras_duq.plots`: the paper's figures (needs matplotlib).
 - `keras_duq.datasets`: the paper's FashionMNIST vs MNIST data, offline.
 
@@ -46,6 +51,12 @@ import warnings
 
 from keras_duq._duq_model import DUQModel
 from keras_duq._duq_output import DUQOutput
+from keras_duq._health import BatchNormStatisticsWarning
+from keras_duq._health import CentroidWarning
+from keras_duq._health import ConstantPenaltyWarning
+from keras_duq._health import DUQHealthWarning
+from keras_duq._health import KernelUnderflowWarning
+from keras_duq._health import recompute_batch_norm_statistics
 from keras_duq._spectral_normalization import SpectralNormalization
 from keras_duq._spectral_normalization import spectral_normalize
 from keras_duq._wrap import wrap
@@ -53,9 +64,15 @@ from keras_duq._wrap import wrap
 __version__ = "0.2.0"
 
 __all__ = [
+    "BatchNormStatisticsWarning",
+    "CentroidWarning",
+    "ConstantPenaltyWarning",
+    "DUQHealthWarning",
     "DUQModel",
     "DUQOutput",
+    "KernelUnderflowWarning",
     "SpectralNormalization",
+    "recompute_batch_norm_statistics",
     "spectral_normalize",
     "wrap",
     "__version__",

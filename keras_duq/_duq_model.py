@@ -10,6 +10,7 @@ import numpy as np
 from keras import ops
 
 from keras_duq import _compat
+from keras_duq import _health
 from keras_duq import _ops
 from keras_duq._duq_output import DUQOutput
 from keras_duq._validation import check_non_negative
@@ -53,8 +54,13 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
 
     `fit` and `evaluate` log `loss` (the full objective), `bce`,
     `gradient_penalty` (the penalty term before weighting, when the penalty
-    is on) and `accuracy`. Metrics passed to `compile(metrics=[...])` get the
-    labels as given and the kernel values as `y_pred`. Do not pass a `loss` to
+    is on) and `accuracy`; with `health_checks`, also `certainty` (mean
+    largest kernel value), `underflow` (fraction of examples whose kernel
+    values all underflow) and, with the two-sided penalty,
+    `zero_input_gradient` (fraction of examples whose input gradient is
+    ~0), and `fit` adds `centroid_overlap` and `batch_norm_gap` per epoch
+    (docs/health_checks.md). Metrics passed to `compile(metrics=[...])` get
+    the labels as given and the kernel values as `y_pred`. Do not pass a `loss` to
     `compile`: the DUQ loss is built in.
 
     Labels may be sparse integers `(batch,)` or `(batch, 1)`, or one-hot
@@ -127,6 +133,12 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
             code: a kernel value far below `1e-12`, as every one is at
             initialisation, then gets almost no gradient until the centroids
             have moved to the class means. The loss value is the same.
+        health_checks: bool, whether `fit`, `evaluate` and `predict` watch
+            DUQ's failure modes (kernel values that underflow, unsettled
+            BatchNormalization statistics, centroids that never received
+            their class or overlap, a constant penalty) and warn once per
+            cause with a `keras_duq.DUQHealthWarning` (see
+            `keras_duq.callbacks.HealthCheck`). Defaults to `True`.
         **kwargs: base model keyword arguments such as `name`.
     """
 
@@ -139,6 +151,7 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
         penalty_interval: int = 1,
         weight_decay: float = DEFAULT_WEIGHT_DECAY,
         bce_epsilon: float = 0.0,
+        health_checks: bool = True,
         **kwargs,
     ):
         check_non_negative("gradient_penalty", gradient_penalty)
@@ -146,6 +159,11 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
         check_non_negative("bce_epsilon", bce_epsilon)
         check_positive_int("penalty_interval", penalty_interval)
         _ops.validate_penalty(penalty)
+        if not isinstance(health_checks, bool):
+            raise ValueError(
+                "Expected `health_checks` to be True or False. "
+                f"Received: `health_checks={health_checks!r}`"
+            )
         duq_output = _find_duq_output(inputs, outputs)
         feature_extractor = keras.Model(
             inputs, duq_output.input, name="feature_extractor"
@@ -177,6 +195,12 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
             else None
         )
         self._accuracy_tracker = keras.metrics.Mean(name="accuracy")
+        self.health_checks = health_checks
+        self._health_trackers = (
+            _health.batch_trackers(self.gradient_penalty, penalty)
+            if self.health_checks
+            else []
+        )
         # On JAX, a jitted step reports a bad batch through this metric.
         self._error_tracker = (
             _trainer().ErrorCode() if keras.backend.backend() == "jax" else None
@@ -199,6 +223,7 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
                 self._bce_tracker,
                 self._penalty_tracker,
                 self._accuracy_tracker,
+                *self._health_trackers,
                 self._error_tracker,
             )
             if tracker is not None
@@ -271,10 +296,14 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
     # pipeline without tf.data's autotuning (`quiet_array_inputs`).
 
     def fit(self, *args, **kwargs):
+        if self.health_checks:
+            args, kwargs = _health.with_health_check(self, super().fit, args, kwargs)
         args, kwargs = _arguments_for(super().fit, "fit", args, kwargs, self.num_classes)
         return super().fit(*args, **kwargs)
 
     def evaluate(self, *args, **kwargs):
+        if self.health_checks:
+            args, kwargs = _health.with_health_check(self, super().evaluate, args, kwargs)
         args, kwargs = _arguments_for(
             super().evaluate, "evaluate", args, kwargs, self.num_classes
         )
@@ -282,7 +311,10 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
 
     def predict(self, *args, **kwargs):
         args, kwargs = _arguments_for(super().predict, "predict", args, kwargs)
-        return super().predict(*args, **kwargs)
+        kernel_values = super().predict(*args, **kwargs)
+        if self.health_checks:
+            _health.check_predictions(self, kernel_values)
+        return kernel_values
 
     @property
     def _lazy_penalty(self):
@@ -333,11 +365,14 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
         batch_size = ops.cast(ops.shape(log_kernel)[0], "float32")
         self._objective_tracker.update_state(objective, sample_weight=batch_size)
         self._bce_tracker.update_state(bce, sample_weight=batch_size)
+        weight = None
         if penalty is not None:
             # A lazy penalty's `gradient_penalty` log: the mean over the
             # steps that computed it.
             weight = batch_size if penalised is None else batch_size * ops.cast(penalised, "float32")
             self._penalty_tracker.update_state(ops.mean(penalty), sample_weight=weight)
+        if self._health_trackers:
+            _health.update_batch_metrics(self._health_trackers, log_kernel, penalty, weight)
         correct = ops.cast(
             ops.equal(
                 ops.argmax(log_kernel, axis=-1), ops.argmax(labels_one_hot, axis=-1)
@@ -423,6 +458,7 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
             "penalty_interval": self.penalty_interval,
             "weight_decay": self.weight_decay,
             "bce_epsilon": self.bce_epsilon,
+            "health_checks": self.health_checks,
         }
 
     @classmethod

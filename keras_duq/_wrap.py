@@ -26,6 +26,7 @@ def wrap(
     bce_epsilon: float = 0.0,
     trainable_length_scale: bool = False,
     bias_correction: bool = False,
+    health_checks: bool = True,
     input_shape=None,
     name: str | None = None,
 ) -> DUQModel:
@@ -80,6 +81,10 @@ def wrap(
             Defaults to `False`.
         bias_correction: bool, bias-correct the centroid moving average
             (see `DUQOutput`). Defaults to `False`.
+        health_checks: bool, whether `fit`, `evaluate` and `predict` warn
+            (once per cause, with a `keras_duq.DUQHealthWarning`) about
+            DUQ's failure modes and log the numbers behind them (see
+            `DUQModel`). Defaults to `True`.
         input_shape: tuple, the input shape without the batch dimension.
             Needed only when the backbone does not define its inputs (a
             subclassed model, or a Sequential model without `keras.Input`).
@@ -123,6 +128,7 @@ def wrap(
         penalty_interval=penalty_interval,
         weight_decay=weight_decay,
         bce_epsilon=bce_epsilon,
+        health_checks=health_checks,
         name=name,
     )
 

@@ -1,4 +1,4 @@
-"""Keras callbacks for uncertainty evaluation during `fit`."""
+"""Keras callbacks for uncertainty evaluation and health checks during `fit`."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import sys
 import keras
 import numpy as np
 
+from keras_duq import _health
+from keras_duq._health import HealthCheck  # noqa: F401 - public here
 from keras_duq._validation import check_int
 from keras_duq.evaluation import CERTAINTY_METHODS
 from keras_duq.evaluation import certainty_scores
@@ -126,7 +128,9 @@ class OODEvaluation(keras.callbacks.Callback):
             The dict of metrics that `on_epoch_end` adds to the logs.
         """
         in_scores, labels = self._predict(self.in_distribution)
-        ood_scores, _ = self._predict(self.out_of_distribution)
+        # OoD inputs should look unhealthy: no health warning about them.
+        with _health.out_of_distribution(self.model):
+            ood_scores, _ = self._predict(self.out_of_distribution)
         in_certainty = certainty_scores(in_scores, self.method)
         ood_certainty = certainty_scores(ood_scores, self.method)
         results = ood_metrics(in_certainty, ood_certainty)

@@ -131,6 +131,8 @@ def test_moved_names_still_work_with_a_deprecation_warning():
     with pytest.warns(DeprecationWarning, match="keras_duq.evaluation.ood_metrics"):
         assert keras_duq.ood_metrics is evaluation.ood_metrics
     assert set(keras_duq.__all__) == {
-        "DUQModel", "DUQOutput", "SpectralNormalization", "spectral_normalize", "wrap",
-        "__version__",
+        "DUQModel", "DUQOutput", "wrap", "__version__",
+        "DUQHealthWarning", "KernelUnderflowWarning", "BatchNormStatisticsWarning",
+        "CentroidWarning", "ConstantPenaltyWarning", "recompute_batch_norm_statistics",
+        "SpectralNormalization", "spectral_normalize",
     }

@@ -300,7 +300,10 @@ def test_fit_logs_and_compiled_metrics_receive_kernel_values():
     assert 0.0 <= history["kernel_range"][-1] <= 1.0
     np.testing.assert_allclose(history["sparse_acc"], history["accuracy"], atol=1e-6)
     logs = model.evaluate(x, y, return_dict=True, verbose=0)
-    assert set(logs) == {"loss", "bce", "gradient_penalty", "accuracy", "sparse_acc", "kernel_range"}
+    assert set(logs) == {
+        "loss", "bce", "gradient_penalty", "accuracy", "sparse_acc", "kernel_range",
+        "certainty", "underflow", "zero_input_gradient",
+    }
 
 
 def test_tf_data_and_callbacks(tmp_path):

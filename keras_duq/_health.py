@@ -1,0 +1,815 @@
+"""Health checks: a DUQ model watches its own failure modes and says so.
+
+Four causes make DUQ's certainty meaningless without any error: kernel
+values that underflow for (nearly) every example, BatchNormalization moving
+statistics that have not settled (inference-mode features far from
+training-mode ones), centroids that never received their class or that sit
+on another class's centroid, and a gradient penalty that is constant because
+the input gradients are zero. Each warns once per model with a subclass of
+`DUQHealthWarning`, naming the numbers and the fix.
+
+The numbers are measured cheaply: per batch inside the training and test
+steps, from tensors the step already has (logged as `certainty`, `underflow`
+and `zero_input_gradient`), and once per epoch, evaluate or predict on one
+batch of inputs (`batch_norm_gap`, `centroid_overlap`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import sys
+import warnings
+import weakref
+
+import keras
+import numpy as np
+from keras import ops
+
+from keras_duq import _compat
+from keras_duq import _ops
+from keras_duq._validation import check_positive_int
+
+# Below float32's smallest normal number a kernel value has underflowed:
+# `predict` returns it as a subnormal or as 0, and the certainty no longer
+# ranks such examples.
+UNDERFLOW_KERNEL_VALUE = float(np.finfo(np.float32).tiny)
+UNDERFLOW_LOG_KERNEL = float(np.log(UNDERFLOW_KERNEL_VALUE))
+# "(Nearly) every example": the fraction of examples at which a per-example
+# failure warns.
+MOST_EXAMPLES = 0.9
+# An input-gradient norm below this counts as zero (two-sided penalty only:
+# it is then within 2e-3 of 1, its value at a zero gradient).
+ZERO_GRADIENT_NORM = 1e-3
+# Relative RMS distance between inference- and training-mode features above
+# which unsettled BatchNormalization statistics warn.
+BATCH_NORM_GAP = 0.5
+# A BatchNormalization layer is named when its normalised output, computed
+# with the moving statistics instead of the batch's, is off by more than
+# this many standard deviations (RMS over channels).
+BATCH_NORM_LAYER_ERROR = 0.5
+# Kernel value of one class at another class's centroid above which the two
+# centroids overlap.
+CENTROID_OVERLAP = 0.5
+# A class whose centroid count gained less than this fraction of what the
+# most frequent class's gained during `fit` received (almost) no examples.
+UNSEEN_CLASS_SHARE = 1e-3
+# A fresh DUQ model's kernel values underflow until its embeddings reach the
+# centroids, and the centroids start random: `fit` checks nothing before this
+# many steps, and before the centroids' moving averages owe at least this
+# share to data.
+WARMUP_STEPS = 100
+WARMUP_DATA_SHARE = 0.5
+# Examples drawn from in-memory inputs for the once-per-epoch checks (at
+# least the batch size).
+SAMPLE_SIZE = 64
+_LISTED_LAYERS = 5
+
+
+class DUQHealthWarning(UserWarning):
+    """Base class of the warnings a `DUQModel` gives about its own health.
+
+    Each cause warns once per model, naming the numbers and the fix.
+    Silence them all, or one cause, with the `warnings` module.
+
+    Example:
+
+    ```python
+    import warnings
+
+    warnings.filterwarnings("ignore", category=keras_duq.DUQHealthWarning)
+    warnings.filterwarnings("ignore", category=keras_duq.CentroidWarning)
+    ```
+    """
+
+
+class KernelUnderflowWarning(DUQHealthWarning):
+    """The kernel values of (nearly) every example underflow, in training or inference mode."""
+
+
+class BatchNormStatisticsWarning(DUQHealthWarning):
+    """Inference-mode features far from training-mode ones: BatchNormalization not settled."""
+
+
+class CentroidWarning(DUQHealthWarning):
+    """A centroid never received its class, or sits on another class's centroid."""
+
+
+class ConstantPenaltyWarning(DUQHealthWarning):
+    """The gradient penalty is constant: the input gradients are zero."""
+
+
+# Per model: the causes it has warned about, the optimizer step at which its
+# inference-mode features were last compared with training-mode ones, its
+# centroid counts at the start of its first `fit` (with the step), a batch
+# of its last `fit`'s inputs, and whether `predict` is given OoD inputs.
+_STATE = weakref.WeakKeyDictionary()
+
+
+def _state(model):
+    return _STATE.setdefault(
+        model,
+        {
+            "warned": set(),
+            "compared_at": None,
+            "centroid_start": None,
+            "training_inputs": None,
+            "out_of_distribution": 0,
+        },
+    )
+
+
+@contextlib.contextmanager
+def out_of_distribution(model):
+    """Within the block, `model.predict` checks nothing: its inputs are meant to be OoD.
+
+    Out-of-distribution inputs should get kernel values near 0, and
+    BatchNormalization's batch statistics on them differ from the moving
+    ones by nature.
+    """
+    state = _state(model)
+    state["out_of_distribution"] += 1
+    try:
+        yield
+    finally:
+        state["out_of_distribution"] -= 1
+
+
+def _warn(model, cause, category, message):
+    warned = _state(model)["warned"]
+    if cause in warned:
+        return
+    warned.add(cause)
+    warnings.warn(f"{model.name}: {message}", category, stacklevel=3)
+
+
+# ----------------------------------------------------------- batch metrics
+
+
+def batch_trackers(gradient_penalty: float, penalty: str) -> list:
+    """The per-batch health metrics of a model with this penalty."""
+    trackers = [keras.metrics.Mean(name="certainty"), keras.metrics.Mean(name="underflow")]
+    if gradient_penalty > 0 and penalty == "two_sided":
+        trackers.append(keras.metrics.Mean(name="zero_input_gradient"))
+    return trackers
+
+
+def update_batch_metrics(trackers, log_kernel, penalty, penalty_weight):
+    """Updates `batch_trackers` from one step's log kernel values and penalty.
+
+    `penalty_weight` weighs the batch's zero-gradient fraction (0 on the
+    steps of a lazy penalty that did not compute it).
+    """
+    certainty, underflow, *zero_gradient = trackers
+    max_log_kernel = ops.max(log_kernel, axis=-1)
+    certainty.update_state(ops.exp(max_log_kernel))
+    underflow.update_state(ops.cast(max_log_kernel < UNDERFLOW_LOG_KERNEL, "float32"))
+    if zero_gradient and penalty is not None:
+        # The two-sided penalty is `(||g|| - 1)^2`: within this band the norm
+        # is ~0 (or, never in practice, ~2).
+        band = _ops.gradient_penalty(
+            ops.convert_to_tensor([ZERO_GRADIENT_NORM, 0.0], "float32"), "two_sided"
+        )
+        flat = ops.logical_and(penalty >= band[0], penalty <= band[1])
+        zero_gradient[0].update_state(
+            ops.mean(ops.cast(flat, "float32")), sample_weight=penalty_weight
+        )
+
+
+# ------------------------------------------------------ training vs inference
+
+
+def _batch_norm_layers(model):
+    """The BatchNormalization layers whose moving statistics training updates."""
+    return [
+        layer
+        for layer in _compat.all_layers(model)
+        if isinstance(layer, keras.layers.BatchNormalization)
+        and layer.trainable
+        and layer.momentum < 1
+    ]
+
+
+def _batch_norm_statistics(model, layers, inputs):
+    """Training-mode outputs and each layer's batch `(mean, variance)`, changing nothing.
+
+    One stateless training-mode pass: each layer's updated moving statistics
+    `m * old + (1 - m) * batch` give back its batch statistics.
+    """
+    trainable = [v.value for v in model.trainable_variables]
+    old = [v.value for v in model.non_trainable_variables]
+    outputs, new = model.stateless_call(trainable, old, inputs, training=True)
+    position = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
+
+    def batch_value(layer, variable):
+        i = position[id(variable)]
+        old_value = _float64(old[i])
+        new_value = _float64(new[i])
+        return (new_value - layer.momentum * old_value) / (1.0 - layer.momentum)
+
+    statistics = {}
+    for layer in layers:
+        mean = batch_value(layer, layer.moving_mean)
+        if getattr(layer, "renorm", False):
+            # Renormalisation averages the standard deviation instead.
+            variance = np.square(batch_value(layer, layer.moving_stddev)) - layer.epsilon
+        else:
+            variance = batch_value(layer, layer.moving_variance)
+        statistics[layer] = (mean, np.maximum(variance, 0.0))
+    return outputs, statistics
+
+
+def _normalisation_error(layer, mean, variance):
+    """RMS over channels of the error (in standard deviations) of the moving statistics."""
+    moving_mean = _float64(layer.moving_mean)
+    moving_variance = _float64(layer.moving_variance)
+    moving_std = np.sqrt(moving_variance + layer.epsilon)
+    scale = np.sqrt(variance + layer.epsilon) / moving_std
+    shift = (mean - moving_mean) / moving_std
+    return float(np.sqrt(np.mean(np.square(scale - 1.0) + np.square(shift))))
+
+
+class _ModeComparison:
+    """Training- and inference-mode features of one batch, and what they imply."""
+
+    def __init__(self, model, inputs):
+        extractor = model.feature_extractor
+        self.layers = _batch_norm_layers(extractor)
+        training, statistics = _batch_norm_statistics(extractor, self.layers, inputs)
+        inference = extractor(inputs, training=False)
+        self.underflow_training = _underflow_fraction(
+            model.duq_output.log_kernel_values(training)
+        )
+        self.underflow_inference = _underflow_fraction(
+            model.duq_output.log_kernel_values(inference)
+        )
+        training = _float64(training)
+        inference = _float64(inference)
+        self.gap = float(
+            np.linalg.norm(training - inference) / max(np.linalg.norm(training), 1e-12)
+        )
+        self.norms = (
+            float(np.linalg.norm(training, axis=1).mean()),
+            float(np.linalg.norm(inference, axis=1).mean()),
+        )
+        errors = {
+            layer: _normalisation_error(layer, *statistics[layer]) for layer in self.layers
+        }
+        self.unsettled = sorted(
+            (layer for layer in self.layers if errors[layer] > BATCH_NORM_LAYER_ERROR),
+            key=lambda layer: -errors[layer],
+        )
+        self.errors = errors
+
+
+def _float64(value):
+    """A tensor's or a variable's value as a float64 NumPy array."""
+    if hasattr(value, "numpy"):  # Keras and TensorFlow variables and tensors
+        value = value.numpy()
+    return np.asarray(value).astype("float64")
+
+
+def _underflow_fraction(log_kernel):
+    max_log_kernel = _float64(ops.max(log_kernel, axis=-1))
+    return float(np.mean(max_log_kernel < UNDERFLOW_LOG_KERNEL))
+
+
+# -------------------------------------------------------------- the checks
+
+
+def _check_underflow(model, fraction, mode, where):
+    if fraction is None or not fraction >= MOST_EXAMPLES:
+        return
+    if mode == "training":
+        advice = (
+            "The embeddings are far from every centroid (compare the length "
+            "scale with their distances), or the centroids are still near "
+            "their random initial values. Increase `length_scale`, pass "
+            "`bias_correction=True` (centroids from the first batches on), or "
+            "lower the centroid `momentum`. While every kernel value "
+            "underflows, the gradient penalty has no input gradient to act on."
+        )
+    else:
+        advice = (
+            "If training mode is fine (`underflow` low, `val_underflow` "
+            "high), the features differ between the modes (see "
+            "`BatchNormStatisticsWarning`) or these inputs differ from the "
+            "training inputs (scale, preprocessing). Otherwise the fixes for "
+            "training apply: a larger `length_scale`, `bias_correction=True`. "
+            "For out-of-distribution inputs, a certainty of 0 is what DUQ "
+            "should give: ignore this warning then."
+        )
+    _warn(
+        model,
+        f"underflow_{mode}",
+        KernelUnderflowWarning,
+        f"in {mode} mode ({where}), the kernel values of {fraction:.0%} of the "
+        f"examples are all below {UNDERFLOW_KERNEL_VALUE:.2g} (float32 "
+        "underflow): their certainty is 0 and their prediction arbitrary. "
+        f"{advice} Logged as `underflow` (fraction of such examples) and "
+        "`certainty` (mean largest kernel value).",
+    )
+
+
+def _check_batch_norm(model, comparison, where):
+    _state(model)["compared_at"] = _iterations(model)
+    if not comparison.layers:
+        return
+    if comparison.gap <= BATCH_NORM_GAP or not comparison.unsettled:
+        return
+    listed = ", ".join(
+        f"{layer.name} ({comparison.errors[layer]:.2g})"
+        for layer in comparison.unsettled[:_LISTED_LAYERS]
+    )
+    more = len(comparison.unsettled) - _LISTED_LAYERS
+    if more > 0:
+        listed += f" and {more} more"
+    training_norm, inference_norm = comparison.norms
+    _warn(
+        model,
+        "batch_norm",
+        BatchNormStatisticsWarning,
+        f"BatchNormalization moving statistics have not settled ({where}): in "
+        "inference mode (`evaluate`, `predict`) the backbone's features are "
+        f"{comparison.gap:.0%} away from those in training mode (relative RMS "
+        f"distance; mean feature norm {inference_norm:.3g} against "
+        f"{training_norm:.3g}), so the kernel values in inference mode do not "
+        "reflect what training learned. Layers whose moving statistics differ "
+        "from the batch statistics (error of the normalised output, in "
+        f"standard deviations): {listed}. Fix: lower these layers' `momentum` "
+        "(Keras's default 0.99 needs several hundred steps; e.g. 0.9), train "
+        "for more steps, or re-estimate the statistics after training with "
+        "`keras_duq.recompute_batch_norm_statistics(model, x_train)`. Logged "
+        "per epoch as `batch_norm_gap`.",
+    )
+
+
+def _centroid_overlap(layer):
+    """`(kernel value, class, other)`: the largest kernel value of a class at another's centroid."""
+    centroids = layer.centroids
+    classes = layer.num_classes
+    # Row j holds centroid j in every class's slot: the distance of each
+    # class's centroid to centroid j, as the kernel measures an embedding.
+    embeddings = ops.repeat(ops.transpose(centroids)[:, :, None], classes, axis=2)
+    log_kernel = _ops.log_kernel_values(
+        _ops.squared_distances(embeddings, centroids), layer.length_scales
+    )
+    kernel = np.exp(_float64(log_kernel))
+    np.fill_diagonal(kernel, -1.0)
+    at, cls = np.unravel_index(np.argmax(kernel), kernel.shape)
+    return float(kernel[at, cls]), int(cls), int(at)
+
+
+def _check_centroid_overlap(model, where):
+    layer = model.duq_output
+    value, cls, other = _centroid_overlap(layer)
+    if value > CENTROID_OVERLAP:
+        _warn(
+            model,
+            "centroid_overlap",
+            CentroidWarning,
+            f"the centroids of classes {cls} and {other} overlap ({where}): "
+            f"class {cls}'s kernel value at class {other}'s centroid is "
+            f"{value:.3g} (length scale "
+            f"{_float64(layer.length_scales)[cls]:.3g}). "
+            "Examples of either class get a high kernel value for both, so "
+            "the certainty cannot tell them apart: the features collapsed. "
+            "Fix: turn the gradient penalty on or raise it (the two-sided "
+            "penalty keeps the features sensitive to the input), lower "
+            "`length_scale`, and check that the two classes' labels are not "
+            "mixed up. Logged per epoch as `centroid_overlap`.",
+        )
+    return value
+
+
+def _iterations(model):
+    iterations = getattr(getattr(model, "optimizer", None), "iterations", None)
+    return None if iterations is None else int(_float64(iterations))
+
+
+def _record_centroid_start(model):
+    """Keeps the centroid counts at the start of the model's first `fit`."""
+    state = _state(model)
+    iterations = _iterations(model)
+    start = state["centroid_start"]
+    # A new optimizer restarts the step count: start again from here.
+    if start is None or iterations < start[1]:
+        state["centroid_start"] = (_float64(model.duq_output.centroid_counts), iterations)
+
+
+def _warmed_up(model):
+    """Whether `model` is past DUQ's start-up (see `WARMUP_STEPS`)."""
+    iterations = _iterations(model)
+    if iterations is None or iterations < WARMUP_STEPS:
+        return False
+    layer = model.duq_output
+    prior = (
+        _ops.BIAS_CORRECTED_CENTROID_COUNT
+        if layer.bias_correction
+        else _ops.INITIAL_CENTROID_COUNT
+    )
+    # What is left of the initial count; the mean over classes, so that a
+    # class never seen does not hold the checks back.
+    initial = prior * layer.momentum**iterations
+    return bool(initial <= (1.0 - WARMUP_DATA_SHARE) * _float64(layer.centroid_counts).mean())
+
+
+def _check_unseen_classes(model):
+    """Warns about classes whose centroid gained nothing since the first `fit`."""
+    counts_before, iterations_before = _state(model)["centroid_start"]
+    steps = _iterations(model) - iterations_before
+    layer = model.duq_output
+    counts = _float64(layer.centroid_counts)
+    # Without examples a count only decays, `N <- momentum * N`: what it
+    # has above that came from the class's examples.
+    gained = counts - counts_before * layer.momentum**steps
+    if steps < WARMUP_STEPS or not gained.max() > 0:
+        return
+    unseen = [int(c) for c in np.flatnonzero(gained < UNSEEN_CLASS_SHARE * gained.max())]
+    if unseen:
+        _warn(
+            model,
+            "centroid_unseen",
+            CentroidWarning,
+            f"the centroids of classes {unseen} received no training examples "
+            f"in {steps} training steps (their counts only decayed, to "
+            f"{', '.join(f'{counts[c]:.3g}' for c in unseen)}), so they keep "
+            "their initial, random values and these classes are never "
+            "predicted with any certainty. Check that the labels cover "
+            f"0..{layer.num_classes - 1} (e.g. not 1..{layer.num_classes}) "
+            "and that `num_classes` is right.",
+        )
+
+
+def _check_constant_penalty(model, fraction, where):
+    if fraction is None or not fraction >= MOST_EXAMPLES:
+        return
+    _warn(
+        model,
+        "constant_penalty",
+        ConstantPenaltyWarning,
+        f"the gradient penalty is constant ({where}): for {fraction:.0%} of "
+        "the training examples the input gradient of the summed kernel "
+        f"values is zero (norm < {ZERO_GRADIENT_NORM:g}, penalty ~1), so the "
+        "penalty adds a constant to the loss and no gradient. The kernel "
+        "values do not change with the input: they are vanishingly small "
+        "(see `certainty`), or the backbone does not pass the input on (a "
+        "layer that zeroes it, dead ReLU units, inputs on a tiny scale). Fix "
+        "the cause (inputs normalised to about unit variance, a lower "
+        "learning rate, a larger `length_scale`); `gradient_penalty=0` turns "
+        "the penalty off. Logged as `zero_input_gradient` (fraction of such "
+        "examples).",
+    )
+
+
+def _compare_modes(model, inputs):
+    """The `_ModeComparison` on `inputs` (or `None` without inputs)."""
+    if inputs is None:
+        return None
+    return _ModeComparison(model, inputs)
+
+
+def _check_final_state(model, inputs, where, training=False):
+    """The checks of a model as it is now: on `inputs`, and of its centroids.
+
+    `training`: whether `inputs` are training inputs, whose training-mode
+    kernel values are then checked too.
+    """
+    comparison = _compare_modes(model, inputs)
+    if comparison is not None:
+        _check_batch_norm(model, comparison, where)
+        if training:
+            _check_underflow(model, comparison.underflow_training, "training", where)
+        _check_underflow(model, comparison.underflow_inference, "inference", where)
+    _check_centroid_overlap(model, where)
+
+
+def check_predictions(model, kernel_values):
+    """The checks after `predict`: inference-mode underflow, unsettled BatchNormalization.
+
+    The modes are compared on a batch of the last `fit`'s inputs, not on
+    `predict`'s own: on inputs unlike the training data (out of
+    distribution, say) BatchNormalization's batch statistics differ from
+    the moving ones by nature.
+    """
+    state = _state(model)
+    if state["out_of_distribution"]:
+        return
+    if isinstance(kernel_values, np.ndarray) and kernel_values.ndim == 2 and len(kernel_values):
+        fraction = float(np.mean(kernel_values.max(axis=1) < UNDERFLOW_KERNEL_VALUE))
+        _check_underflow(model, fraction, "inference", "`predict`")
+    # `predict` runs often (in callbacks, on grids): check the modes once per
+    # set of weights.
+    if "batch_norm" in state["warned"] or state["compared_at"] == _iterations(model):
+        return
+    if _batch_norm_layers(model.feature_extractor):
+        comparison = _compare_modes(model, state["training_inputs"])
+        if comparison is not None:
+            _check_batch_norm(model, comparison, "`predict`")
+
+
+# ------------------------------------------------------------ the callback
+
+
+class HealthCheck(keras.callbacks.Callback):
+    """Warns when a DUQ model shows a known failure mode; logs the numbers behind it.
+
+    `DUQModel.fit` and `evaluate` add one to their callbacks themselves, and
+    `predict` runs its checks, unless the model was built with
+    `health_checks=False`. Add it yourself only to choose the inputs of the
+    checks that compare training and inference mode, or to place its logs
+    before another callback's (`TensorBoard`, `CSVLogger`). Each cause warns
+    once per model with a subclass of `keras_duq.DUQHealthWarning`:
+
+    - `KernelUnderflowWarning`: the kernel values of at least 90% of the
+      examples are all below float32's smallest normal number, in training
+      mode or in inference mode (validation data, `evaluate`, `predict`);
+    - `BatchNormStatisticsWarning`: inference-mode features more than 50%
+      (relative RMS distance) away from training-mode ones, with
+      BatchNormalization layers whose moving statistics are off;
+    - `CentroidWarning`: a class whose centroid received no example during
+      `fit`, or two overlapping centroids (the kernel value of one class at
+      the other's centroid above 0.5);
+    - `ConstantPenaltyWarning`: the input gradient is ~0 for at least 90% of
+      the training examples (two-sided penalty), so the penalty is constant.
+
+    When: a freshly initialised DUQ model's kernel values underflow until
+    its embeddings reach the centroids, the centroids start random, and
+    BatchNormalization statistics start unsettled. So `fit` checks nothing
+    before the model has trained 100 steps and its centroids' moving
+    averages owe at least half to data (about 660 steps with the default
+    centroid `momentum=0.999`, batches of 128 and 10 classes, without bias
+    correction). From
+    then on it checks each epoch's training and validation numbers (from
+    the first epoch that starts after that) and, at its end, the model's
+    state (features in both modes on one batch, the centroids, the classes
+    seen). `evaluate` and `predict`, whose
+    outputs are being used, check the model's state whenever they run.
+
+    At the end of each epoch it adds to the logs `centroid_overlap` (the
+    largest kernel value of a class at another class's centroid) and, for
+    backbones with BatchNormalization, `batch_norm_gap` (the relative RMS
+    distance between inference- and training-mode features). The model
+    itself logs `certainty`, `underflow` and `zero_input_gradient` per step.
+
+    Example:
+
+    ```python
+    history = model.fit(
+        x_train, y_train, epochs=10,
+        callbacks=[keras_duq.callbacks.HealthCheck(x_train[:128]),
+                   keras.callbacks.TensorBoard("logs")],
+    )
+    history.history["centroid_overlap"]
+    ```
+
+    Args:
+        inputs: optional batch of model inputs (an array, or a list or dict
+            of arrays, as `predict` takes them; a few dozen to a few hundred
+            examples) on which training- and inference-mode features are
+            compared (in `fit`, training inputs: `predict` then compares
+            the modes on them too). `fit` and `evaluate` pass a random batch
+            of their inputs when these are in-memory arrays, a
+            `tf.data.Dataset` or a `keras.utils.PyDataset`; `None` skips
+            these comparisons.
+    """
+
+    def __init__(self, inputs=None) -> None:
+        super().__init__()
+        self.inputs = inputs
+        self._in_fit = False
+        self._epoch_warmed_up = False
+
+    def _checked_model(self):
+        if not hasattr(self.model, "duq_output"):
+            raise ValueError(
+                "`HealthCheck` checks DUQ models (`keras_duq.DUQModel`). "
+                f"Received: a model of type {type(self.model).__name__}"
+            )
+        return self.model
+
+    def on_train_begin(self, logs=None):
+        self._in_fit = True
+        model = self._checked_model()
+        _record_centroid_start(model)
+        if self.inputs is not None:
+            _state(model)["training_inputs"] = self.inputs
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch_warmed_up = _warmed_up(self._checked_model())
+
+    def on_epoch_end(self, epoch, logs=None):
+        model = self._checked_model()
+        logs = {} if logs is None else logs
+        if self._epoch_warmed_up:
+            where = f"`fit`, epoch {epoch + 1}"
+            _check_underflow(model, logs.get("underflow"), "training", where)
+            _check_constant_penalty(model, logs.get("zero_input_gradient"), where)
+        if _batch_norm_layers(model.feature_extractor):
+            comparison = _compare_modes(model, self.inputs)
+            if comparison is not None:
+                logs["batch_norm_gap"] = comparison.gap
+        logs["centroid_overlap"] = _centroid_overlap(model.duq_output)[0]
+
+    def on_train_end(self, logs=None):
+        model = self._checked_model()
+        self._in_fit = False
+        if _warmed_up(model):
+            _check_final_state(model, self.inputs, "end of `fit`", training=True)
+            _check_unseen_classes(model)
+
+    def on_test_end(self, logs=None):
+        model = self._checked_model()
+        logs = {} if logs is None else logs
+        if not self._in_fit:
+            _check_underflow(model, logs.get("underflow"), "inference", "`evaluate`")
+            _check_final_state(model, self.inputs, "`evaluate`")
+        elif self._epoch_warmed_up:
+            _check_underflow(model, logs.get("underflow"), "inference", "validation data")
+
+
+# ------------------------------------------------- hooks of fit/evaluate
+
+
+def with_health_check(model, method, args, kwargs):
+    """`(args, kwargs)` of `fit` or `evaluate` with a `HealthCheck` in the callbacks."""
+    bound = inspect.signature(method).bind(*args, **kwargs)
+    arguments = bound.arguments
+    callbacks = arguments.get("callbacks")
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        return args, kwargs
+    callbacks = list(callbacks or [])
+    if any(isinstance(callback, HealthCheck) for callback in callbacks):
+        return args, kwargs
+    inputs = sample_inputs(arguments.get("x"), arguments.get("batch_size"))
+    arguments["callbacks"] = [HealthCheck(inputs)] + callbacks
+    return bound.args, bound.kwargs
+
+
+def sample_inputs(x, batch_size=None):
+    """A batch of inputs from `x` for the mode comparison, or `None`.
+
+    In-memory arrays give a random sample (data sorted by class would bias
+    the first rows); a `tf.data.Dataset` its first batch, a `PyDataset` its
+    first item. Generators are not touched: reading them would consume data.
+    """
+    if x is None:
+        return None
+    if isinstance(x, keras.utils.PyDataset):
+        return _as_arrays(_inputs_of(x[0]))
+    tf = sys.modules.get("tensorflow")
+    if tf is not None and isinstance(x, tf.data.Dataset):
+        for element in x.take(1):
+            return _as_arrays(_inputs_of(element))
+        return None
+    arrays = keras.tree.flatten(x)
+    if not arrays or not all(hasattr(a, "shape") and len(a.shape) for a in arrays):
+        return None
+    count = int(arrays[0].shape[0])
+    if count == 0 or any(int(a.shape[0]) != count for a in arrays):
+        return None
+    size = min(count, max(batch_size or 0, SAMPLE_SIZE))
+    rows = np.sort(np.random.default_rng(0).choice(count, size=size, replace=False))
+    return keras.tree.map_structure(lambda a: np.asarray(a)[rows], x)
+
+
+def _inputs_of(element):
+    if isinstance(element, tuple):
+        return keras.utils.unpack_x_y_sample_weight(element)[0]
+    return element
+
+
+def _as_arrays(x):
+    return keras.tree.map_structure(np.asarray, x)
+
+
+# ------------------------------------------------- BatchNormalization fix
+
+
+def recompute_batch_norm_statistics(
+    model: keras.layers.Layer, data, steps: int | None = None, batch_size: int = 128
+) -> list[str]:
+    """Re-estimates the moving statistics of every BatchNormalization layer from data.
+
+    A short training, or a `momentum` close to 1, leaves BatchNormalization's
+    moving mean and variance far from the statistics of the batches seen in
+    training, and the model then behaves differently in inference mode
+    (`evaluate`, `predict`) than in training. This sets each layer's moving
+    statistics to the average of its training-mode batch statistics over
+    `data`, weighted by batch size, as SWA's `bn_update` does: the value the
+    moving average would settle at if the weights stopped changing. Layers
+    anywhere in the model are found, also inside nested models and custom
+    layers; frozen layers (`trainable=False`) and layers with `momentum=1`
+    are left alone. Nothing else changes: no weights, no other layer's
+    state, no layer's `momentum`.
+
+    Example:
+
+    ```python
+    model.fit(x_train, y_train, epochs=3)
+    keras_duq.recompute_batch_norm_statistics(model, x_train[:5000])
+    kernel_values = model.predict(x_test)
+    ```
+
+    Args:
+        model: a Keras model (a `DUQModel` or any other) or layer.
+        data: training inputs: an array (or a list or dict of arrays), a
+            tuple `(x, y)`, a `tf.data.Dataset` or a `keras.utils.PyDataset`
+            yielding batches of `x` or `(x, y[, sample_weight])`, or any
+            iterable of such batches. Labels are ignored.
+        steps: int >= 1 or `None`, the number of batches to use. `None`
+            (default) uses all of `data` once; an endless dataset needs it.
+        batch_size: int >= 1, the batch size used for arrays (as in
+            training: the statistics are those of batches of this size).
+            Defaults to `128`.
+
+    Returns:
+        The names of the BatchNormalization layers whose statistics were
+        re-estimated.
+    """
+    if steps is not None:
+        check_positive_int("steps", steps)
+    check_positive_int("batch_size", batch_size)
+    layers = _batch_norm_layers(model)
+    if not layers:
+        raise ValueError(
+            "`recompute_batch_norm_statistics` found no BatchNormalization "
+            "layer that training updates in this model (none, or all frozen "
+            "with `trainable=False` or `momentum=1`): there is nothing to "
+            f"re-estimate. Received: `model={model.name!r}`"
+        )
+    totals = {layer: [0.0, 0.0] for layer in layers}
+    count = 0
+    for batch in _batches(data, batch_size, steps):
+        size = int(keras.tree.flatten(batch)[0].shape[0])
+        _, statistics = _batch_norm_statistics(model, layers, batch)
+        for layer, (mean, variance) in statistics.items():
+            totals[layer][0] = totals[layer][0] + size * mean
+            totals[layer][1] = totals[layer][1] + size * variance
+        count += size
+    if count == 0:
+        raise ValueError(
+            "`recompute_batch_norm_statistics` received no data: pass "
+            "training inputs with at least one example. Received: an empty "
+            "`data`"
+        )
+    for layer, (mean_sum, variance_sum) in totals.items():
+        mean, variance = mean_sum / count, variance_sum / count
+        layer.moving_mean.assign(mean.astype(layer.moving_mean.dtype))
+        layer.moving_variance.assign(variance.astype(layer.moving_variance.dtype))
+        if getattr(layer, "renorm", False):
+            layer.moving_stddev.assign(
+                np.sqrt(variance + layer.epsilon).astype(layer.moving_stddev.dtype)
+            )
+    return [layer.name for layer in layers]
+
+
+def _batches(data, batch_size, steps):
+    """Batches of inputs from `data`, at most `steps` of them."""
+    if isinstance(data, tuple):
+        data = _inputs_of(data)
+    if _is_stream(data):
+        if isinstance(data, keras.utils.PyDataset):
+            if data.num_batches is None and steps is None:
+                raise ValueError(_ENDLESS_MESSAGE)
+            total = min(n for n in (data.num_batches, steps) if n is not None)
+            elements = (data[i] for i in range(total))
+        else:
+            tf = sys.modules.get("tensorflow")
+            if (
+                steps is None
+                and tf is not None
+                and isinstance(data, tf.data.Dataset)
+                and data.cardinality() == tf.data.INFINITE_CARDINALITY
+            ):
+                raise ValueError(_ENDLESS_MESSAGE)
+            elements = iter(data)
+        for step, element in enumerate(elements):
+            if steps is not None and step >= steps:
+                return
+            yield _as_arrays(_inputs_of(element))
+        return
+    arrays = keras.tree.flatten(data)
+    count = int(arrays[0].shape[0])
+    starts = range(0, count, batch_size)
+    if steps is not None:
+        starts = starts[:steps]
+    for start in starts:
+        yield keras.tree.map_structure(
+            lambda a: np.asarray(a[start : start + batch_size]), data
+        )
+
+
+_ENDLESS_MESSAGE = (
+    "`recompute_batch_norm_statistics` received an endless dataset: pass "
+    "`steps`, the number of batches to average over. Received: `steps=None`"
+)
+
+
+def _is_stream(data):
+    if isinstance(data, keras.utils.PyDataset):
+        return True
+    tf = sys.modules.get("tensorflow")
+    if tf is not None and isinstance(data, tf.data.Dataset):
+        return True
+    return not isinstance(data, (tuple, list, dict)) and not hasattr(data, "shape")

@@ -1,0 +1,446 @@
+"""Health checks: each failure built on purpose warns, a healthy model does not."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_duq
+from keras_duq import _health
+from keras_duq.callbacks import HealthCheck
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+# Enough steps for `fit` to check (see `HealthCheck`).
+STEPS = _health.WARMUP_STEPS
+
+
+def _data(n=400, features=4, classes=3, seed=0, scale=1.0, shift=0.0):
+    rng = np.random.default_rng(seed)
+    x = (shift + scale * rng.normal(size=(n, features))).astype("float32")
+    y = np.arange(n) % classes
+    return x, y
+
+
+def _model(
+    classes=3, features=4, layers=(), length_scale=0.5, momentum=0.9, seed=0, **kwargs
+):
+    """Dense-ReLU-Dense, with `layers` (e.g. a BatchNormalization) after the input."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((features,))
+    x = inputs
+    for layer in layers:
+        x = layer(x)
+    x = keras.layers.Dense(16, activation="relu")(x)
+    x = keras.layers.Dense(8)(x)
+    outputs = keras_duq.DUQOutput(
+        num_classes=classes, centroid_dims=6, length_scale=length_scale, momentum=momentum
+    )(x)
+    model = keras_duq.DUQModel(inputs, outputs, **kwargs)
+    model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9))
+    return model
+
+
+# A length scale far below the spread of the embeddings: every kernel value
+# underflows; with the paper's floor on the cross-entropy's gradient they get
+# no gradient, so they stay so.
+UNDERFLOWING = {"length_scale": 1e-4, "bce_epsilon": 1e-12, "gradient_penalty": 0.0}
+
+
+def _health_warnings(record):
+    return [w for w in record if issubclass(w.category, keras_duq.DUQHealthWarning)]
+
+
+class _Recorder:
+    """Records every warning raised inside the block, whatever the filters."""
+
+    def __enter__(self):
+        self._context = warnings.catch_warnings(record=True)
+        self.record = self._context.__enter__()
+        warnings.simplefilter("always")
+        return self
+
+    def __exit__(self, *exc):
+        self._context.__exit__(*exc)
+
+    def of(self, category):
+        return [str(w.message) for w in self.record if issubclass(w.category, category)]
+
+    @property
+    def health(self):
+        return _health_warnings(self.record)
+
+
+def _fit(model, x, y, epochs=1, batch_size=4, **kwargs):
+    return model.fit(x, y, epochs=epochs, batch_size=batch_size, verbose=0, **kwargs)
+
+
+# ------------------------------------------------------------ logged numbers
+
+
+def test_fit_and_evaluate_log_the_numbers_behind_the_checks():
+    model = _model(gradient_penalty=0.5)
+    x, y = _data(n=64)
+    history = _fit(model, x, y, validation_data=(x, y), batch_size=16).history
+    for key in ("certainty", "underflow", "zero_input_gradient"):
+        assert key in history and "val_" + key in history, key
+    assert 0.0 <= history["certainty"][0] <= 1.0
+    assert 0.0 <= history["centroid_overlap"][0] <= 1.0
+    # In inference mode, `certainty` and `underflow` are those of `predict`.
+    logs = model.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
+    certainty = model.predict(x, verbose=0).max(axis=1)
+    assert logs["certainty"] == pytest.approx(certainty.mean(), rel=1e-5)
+    assert logs["underflow"] == np.mean(certainty < np.finfo(np.float32).tiny)
+
+
+def test_zero_input_gradient_counts_examples_whose_input_gradient_is_zero():
+    # Inputs multiplied by 0: the kernel values cannot depend on them.
+    model = _model(layers=[keras.layers.Rescaling(0.0)], gradient_penalty=0.5)
+    x, y = _data(n=64)
+    history = _fit(model, x, y, batch_size=16).history
+    assert history["zero_input_gradient"] == [1.0]
+    # Only the two-sided penalty tells a zero gradient; without the penalty
+    # nothing is computed.
+    for kwargs in ({"penalty": "one_sided"}, {"gradient_penalty": 0.0}):
+        names = [metric.name for metric in _model(**kwargs).metrics]
+        assert "zero_input_gradient" not in names and "certainty" in names
+
+
+def test_health_checks_false_logs_and_warns_nothing():
+    model = _model(**UNDERFLOWING, health_checks=False)
+    x, y = _data()
+    with _Recorder() as recorder:
+        history = _fit(model, x, y).history
+        model.evaluate(x, y, verbose=0)
+        model.predict(x, verbose=0)
+    assert recorder.health == []
+    assert set(history) == {"loss", "bce", "accuracy"}
+    assert model.get_config()["health_checks"] is False
+    restored = keras_duq.DUQModel.from_config(model.get_config())
+    assert restored.health_checks is False
+    wrapped = keras_duq.wrap(
+        keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)]), 2, health_checks=False
+    )
+    assert wrapped.health_checks is False
+    with pytest.raises(ValueError, match="`health_checks=1`"):
+        _model(health_checks=1)
+
+
+# ------------------------------------------------------------ each failure
+
+
+def test_kernel_values_underflowing_in_training_warn():
+    model = _model(**UNDERFLOWING)
+    x, y = _data(n=4 * STEPS)
+    with _Recorder() as recorder:
+        history = _fit(model, x, y).history
+    assert history["underflow"] == [1.0]
+    messages = recorder.of(keras_duq.KernelUnderflowWarning)
+    (message,) = [m for m in messages if "in training mode (" in m]
+    assert "100%" in message
+    assert "length_scale" in message
+
+
+def test_kernel_values_underflowing_in_inference_warn_in_evaluate_and_predict():
+    x, y = _data(n=64)
+    with _Recorder() as recorder:
+        _model(length_scale=1e-4).evaluate(x, y, verbose=0)
+    (message,) = recorder.of(keras_duq.KernelUnderflowWarning)
+    assert "inference mode (`evaluate`)" in message
+    model = _model(length_scale=1e-4)
+    with _Recorder() as recorder:
+        # Out-of-distribution inputs (as `OODEvaluation` predicts them)
+        # should get certainty 0: no warning.
+        with _health.out_of_distribution(model):
+            model.predict(x, verbose=0)
+        assert recorder.health == []
+        model.predict(x, verbose=0)
+        model.predict(x, verbose=0)  # once per model
+    (message,) = recorder.of(keras_duq.KernelUnderflowWarning)
+    assert "inference mode (`predict`)" in message and "out-of-distribution" in message
+
+
+def test_unsettled_batch_norm_statistics_warn_and_name_the_layer():
+    # Inputs far from BatchNormalization's initial moving statistics (mean
+    # 0, variance 1), few steps at Keras's default momentum 0.99.
+    batch_norm = keras.layers.BatchNormalization(name="input_bn")
+    model = _model(layers=[batch_norm])
+    x, y = _data(n=64, scale=10.0, shift=5.0)
+    with _Recorder() as recorder:
+        history = _fit(model, x, y, batch_size=16).history
+        model.evaluate(x, y, verbose=0)
+    assert history["batch_norm_gap"][0] > _health.BATCH_NORM_GAP
+    (message,) = recorder.of(keras_duq.BatchNormStatisticsWarning)
+    assert "input_bn" in message and "recompute_batch_norm_statistics" in message
+
+
+def test_centroid_that_never_received_its_class_warns():
+    model = _model()
+    x, y = _data(n=4 * STEPS)
+    y = y % 2  # class 2 never appears
+    with _Recorder() as recorder:
+        _fit(model, x, y)
+    (message,) = recorder.of(keras_duq.CentroidWarning)
+    assert "classes [2] received no training examples" in message
+
+
+def test_collapsed_features_warn_about_overlapping_centroids_and_a_constant_penalty():
+    # Inputs multiplied by 0 and no biases: every embedding is 0, so every
+    # centroid moves to 0, and the input gradient is 0.
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    features = keras.layers.Dense(8, use_bias=False)(keras.layers.Rescaling(0.0)(inputs))
+    outputs = keras_duq.DUQOutput(3, centroid_dims=6, momentum=0.9)(features)
+    model = keras_duq.DUQModel(inputs, outputs, gradient_penalty=0.5)
+    model.compile(optimizer="sgd")
+    x, y = _data(n=4 * STEPS)
+    with _Recorder() as recorder:
+        history = _fit(model, x, y, epochs=2).history
+    assert history["centroid_overlap"][-1] > 0.99
+    (overlap,) = recorder.of(keras_duq.CentroidWarning)
+    assert "overlap" in overlap and "kernel value" in overlap
+    (penalty,) = recorder.of(keras_duq.ConstantPenaltyWarning)
+    assert "100%" in penalty and "epoch 2" in penalty
+
+
+# ------------------------------------------------------------ no false alarm
+
+
+def test_healthy_two_moons_model_gives_no_health_warning():
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import two_moons
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    keras.utils.set_random_seed(0)
+    (x, y), (x_test, y_test), _ = two_moons.make_data(seed=0)
+    model = two_moons.build_model()
+    with _Recorder() as recorder:
+        history = _fit(
+            model, x, y, epochs=6, batch_size=64, validation_data=(x_test, y_test)
+        ).history
+        model.evaluate(x_test, y_test, verbose=0)
+        model.predict(x_test, verbose=0)
+    assert recorder.health == []
+    assert history["val_accuracy"][-1] > 0.9  # trained, not merely quiet
+
+
+def test_healthy_batch_norm_model_gives_no_health_warning():
+    model = _model(layers=[keras.layers.BatchNormalization(momentum=0.9)])
+    x, y = _data(n=4 * STEPS, scale=10.0, shift=5.0)
+    with _Recorder() as recorder:
+        history = _fit(model, x, y, epochs=2).history
+        # Inputs unlike the training data have other batch statistics by
+        # nature: `predict` compares the modes on the training inputs.
+        model.predict(-3.0 * x, verbose=0)
+    assert recorder.of(keras_duq.BatchNormStatisticsWarning) == []
+    with _Recorder() as recorder:
+        model.evaluate(x, y, verbose=0)
+        model.predict(x, verbose=0)
+    assert recorder.health == []
+    assert history["batch_norm_gap"][-1] < _health.BATCH_NORM_GAP
+
+
+def test_no_warning_before_the_warm_up():
+    # A fresh model's kernel values underflow; `fit` says nothing about it
+    # before the model has had `WARMUP_STEPS` steps.
+    model = _model(**UNDERFLOWING)
+    x, y = _data(n=16)
+    with _Recorder() as recorder:
+        _fit(model, x, y, epochs=3)
+    assert recorder.health == []
+
+
+# ------------------------------------------------------------ the warnings
+
+
+def test_warnings_are_user_warnings_that_filters_silence():
+    for category in (
+        keras_duq.KernelUnderflowWarning,
+        keras_duq.BatchNormStatisticsWarning,
+        keras_duq.CentroidWarning,
+        keras_duq.ConstantPenaltyWarning,
+    ):
+        assert issubclass(category, keras_duq.DUQHealthWarning)
+    assert issubclass(keras_duq.DUQHealthWarning, UserWarning)
+    x, y = _data(n=16)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        warnings.filterwarnings("ignore", category=keras_duq.KernelUnderflowWarning)
+        _model(length_scale=1e-4).predict(x, verbose=0)
+    assert _health_warnings(record) == []
+
+
+def test_health_check_callback_given_by_the_user_replaces_the_automatic_one():
+    model = _model()
+    x, y = _data(n=64)
+    seen = []
+
+    class Counting(HealthCheck):
+        def on_epoch_end(self, epoch, logs=None):
+            seen.append(self.inputs.shape)
+            super().on_epoch_end(epoch, logs)
+
+    history = _fit(model, x, y, batch_size=16, callbacks=[Counting(x[:8])]).history
+    assert seen == [(8, 4)] and "centroid_overlap" in history
+    softmax = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="softmax")])
+    softmax.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    with pytest.raises(ValueError, match="`HealthCheck` checks DUQ models"):
+        softmax.fit(x, y, epochs=1, verbose=0, callbacks=[HealthCheck()])
+
+
+def test_inputs_are_sampled_from_arrays_datasets_and_py_datasets():
+    x, y = _data(n=300)
+    sample = _health.sample_inputs(x, batch_size=32)
+    assert sample.shape == (_health.SAMPLE_SIZE, 4)
+    assert {tuple(row) for row in sample} <= {tuple(row) for row in x}
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    np.testing.assert_array_equal(_health.sample_inputs(dataset), x[:16])
+    assert _health.sample_inputs(iter([x])) is None  # generators are not read
+
+
+# ------------------------------------------------------------ the BN fix
+
+
+def _features(model, x, training):
+    extractor = model.feature_extractor
+    if not training:
+        return extractor(x, training=False).numpy()
+    trainable = [v.value for v in extractor.trainable_variables]
+    non_trainable = [v.value for v in extractor.non_trainable_variables]
+    features, _ = extractor.stateless_call(trainable, non_trainable, x, training=True)
+    return features.numpy()
+
+
+def _relative_gap(model, x):
+    training, inference = _features(model, x, True), _features(model, x, False)
+    return np.linalg.norm(training - inference) / np.linalg.norm(training)
+
+
+def test_recompute_batch_norm_statistics_settles_them():
+    nested = keras.Sequential(
+        [keras.Input((4,)), keras.layers.BatchNormalization(name="inner_bn")], name="nested"
+    )
+    frozen = keras.layers.BatchNormalization(name="frozen_bn")
+    frozen.trainable = False
+    model = _model(
+        layers=[nested, frozen, keras.layers.Dense(6), keras.layers.BatchNormalization()]
+    )
+    x, y = _data(n=256, scale=10.0, shift=5.0)
+    _fit(model, x[:32], y[:32], batch_size=16)
+    assert _relative_gap(model, x) > 0.5
+    weights = [v.numpy().copy() for v in model.trainable_variables]
+    frozen_state = [v.numpy().copy() for v in frozen.non_trainable_variables]
+    momenta = [layer.momentum for layer in (nested.layers[0], frozen)]
+
+    names = keras_duq.recompute_batch_norm_statistics(model, x, batch_size=len(x))
+    assert "inner_bn" in names and "frozen_bn" not in names and len(names) == 2
+    # One batch of all the data: the moving statistics are its statistics,
+    # so inference mode computes what training mode computes on it.
+    assert _relative_gap(model, x) < 1e-4
+    for old, variable in zip(weights, model.trainable_variables):
+        np.testing.assert_array_equal(old, variable.numpy())
+    for old, variable in zip(frozen_state, frozen.non_trainable_variables):
+        np.testing.assert_array_equal(old, variable.numpy())
+    assert [layer.momentum for layer in (nested.layers[0], frozen)] == momenta
+
+    # Batches of a dataset: the average of their statistics.
+    _fit(model, x[:32] * 3.0, y[:32], batch_size=16)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(32)
+    keras_duq.recompute_batch_norm_statistics(model, dataset)
+    assert _relative_gap(model, x) < 0.05
+
+
+def test_recompute_batch_norm_statistics_errors_change_nothing():
+    model = _model()
+    x, _ = _data(n=32)
+    with pytest.raises(ValueError, match="found no BatchNormalization"):
+        keras_duq.recompute_batch_norm_statistics(model, x)
+    model = _model(layers=[keras.layers.BatchNormalization()])
+    state = [v.numpy().copy() for v in model.weights]
+    with pytest.raises(ValueError, match="steps"):
+        keras_duq.recompute_batch_norm_statistics(model, x, steps=0)
+    endless = tf.data.Dataset.from_tensor_slices(x).batch(8).repeat()
+    with pytest.raises(ValueError, match="endless"):
+        keras_duq.recompute_batch_norm_statistics(model, endless)
+    for old, variable in zip(state, model.weights):
+        np.testing.assert_array_equal(old, variable.numpy())
+    keras_duq.recompute_batch_norm_statistics(model, endless, steps=2)
+
+
+# ------------------------------------------------------------ other settings
+
+
+def test_jax_backend_warns_too():
+    script = """
+        import json, warnings
+        import numpy as np, keras, keras_duq
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((4,))
+        x = keras.layers.Rescaling(0.0)(inputs)
+        outputs = keras_duq.DUQOutput(3, centroid_dims=6, momentum=0.9)(
+            keras.layers.Dense(8, use_bias=False)(x))
+        model = keras_duq.DUQModel(inputs, outputs, gradient_penalty=0.5)
+        model.compile(optimizer="sgd")
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(400, 4)).astype("float32"); y = np.arange(400) % 3
+        inputs = keras.Input((4,))
+        features = keras.layers.Dense(8)(keras.layers.BatchNormalization()(inputs))
+        unsettled = keras_duq.DUQModel(
+            inputs, keras_duq.DUQOutput(3, centroid_dims=6, length_scale=0.5)(features))
+        unsettled.compile(optimizer="sgd")
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            history = model.fit(x, y, batch_size=4, epochs=2, verbose=0).history
+            unsettled.evaluate(5.0 + 10.0 * x, y, verbose=0)
+        names = keras_duq.recompute_batch_norm_statistics(unsettled, 5.0 + 10.0 * x, batch_size=400)
+        from keras_duq import _health
+        gap = _health._ModeComparison(unsettled, 5.0 + 10.0 * x).gap
+        print(json.dumps({
+            "warnings": sorted({w.category.__name__ for w in record
+                                if issubclass(w.category, keras_duq.DUQHealthWarning)}),
+            "gap_after_recompute": gap,
+            "names": names,
+            "zero_input_gradient": history["zero_input_gradient"],
+        }))
+    """
+    env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3")
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["warnings"] == [
+        "BatchNormStatisticsWarning", "CentroidWarning", "ConstantPenaltyWarning"
+    ]
+    assert out["zero_input_gradient"] == [1.0, 1.0]
+    assert len(out["names"]) == 1 and out["gap_after_recompute"] < 1e-4
+
+
+def test_keras_applications_backbone_with_collapsed_inference_certainty_warns():
+    # MobileNetV3Small after 4 steps: BatchNormalization's moving statistics
+    # (momentum 0.99) are still near their initial values, and in inference
+    # mode the features collapse.
+    keras.utils.set_random_seed(0)
+    backbone = keras.applications.MobileNetV3Small(
+        weights=None, include_top=False, pooling="avg", input_shape=(32, 32, 3)
+    )
+    model = keras_duq.wrap(backbone, num_classes=10, gradient_penalty=0.0)
+    # Eager steps: four of them cost less than tracing the step.
+    model.compile(optimizer="adam", run_eagerly=True)
+    rng = np.random.default_rng(0)
+    x = rng.uniform(0, 255, size=(128, 32, 32, 3)).astype("float32")
+    y = np.arange(128) % 10
+    with _Recorder() as recorder:
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+        model.predict(x[:64], verbose=0)
+    (message,) = recorder.of(keras_duq.BatchNormStatisticsWarning)
+    assert "`predict`" in message and "_bn" in message
