@@ -55,6 +55,7 @@ from keras_duq._health import BatchNormStatisticsWarning
 from keras_duq._health import CentroidWarning
 from keras_duq._health import ConstantPenaltyWarning
 from keras_duq._health import DUQHealthWarning
+from keras_duq._health import InputScaleWarning
 from keras_duq._health import KernelUnderflowWarning
 from keras_duq._health import recompute_batch_norm_statistics
 from keras_duq._spectral_normalization import SpectralNormalization
@@ -70,6 +71,7 @@ __all__ = [
     "DUQHealthWarning",
     "DUQModel",
     "DUQOutput",
+    "InputScaleWarning",
     "KernelUnderflowWarning",
     "SpectralNormalization",
     "recompute_batch_norm_statistics",

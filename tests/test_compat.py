@@ -134,5 +134,5 @@ def test_moved_names_still_work_with_a_deprecation_warning():
         "DUQModel", "DUQOutput", "wrap", "__version__",
         "DUQHealthWarning", "KernelUnderflowWarning", "BatchNormStatisticsWarning",
         "CentroidWarning", "ConstantPenaltyWarning", "recompute_batch_norm_statistics",
-        "SpectralNormalization", "spectral_normalize",
+        "SpectralNormalization", "spectral_normalize", "InputScaleWarning",
     }

@@ -444,3 +444,31 @@ def test_keras_applications_backbone_with_collapsed_inference_certainty_warns():
         model.predict(x[:64], verbose=0)
     (message,) = recorder.of(keras_duq.BatchNormStatisticsWarning)
     assert "`predict`" in message and "_bn" in message
+
+
+# ------------------------------------------------------------- input scale
+
+
+@pytest.mark.parametrize("scale, shift", [(1.0, 3.0), (6.0, 0.0), (0.05, 0.0)])
+def test_inputs_far_from_standardised_warn_once_at_the_start_of_fit(scale, shift):
+    model = _model()
+    x, y = _data(n=32, scale=scale, shift=shift)
+    with _Recorder() as record:
+        _fit(model, x, y, batch_size=16)
+        _fit(model, x, y, batch_size=16)
+    messages = record.of(keras_duq.InputScaleWarning)
+    assert len(messages) == 1
+    assert "not standardised" in messages[0] and "Normalization" in messages[0]
+
+
+def test_standardised_inputs_or_a_normalising_backbone_do_not_warn_about_scale():
+    x, y = _data(n=32)
+    shifted, _ = _data(n=32, shift=3.0)
+    for model, inputs in (
+        (_model(), x),
+        (_model(layers=[keras.layers.BatchNormalization()]), shifted),
+        (_model(layers=[keras.layers.Rescaling(1 / 3.0, offset=-1.0)]), shifted),
+    ):
+        with _Recorder() as record:
+            _fit(model, inputs, y, batch_size=16)
+        assert not record.of(keras_duq.InputScaleWarning)
