@@ -8,15 +8,15 @@ on CIFAR-10 and SVHN, the rejection-classification curve, the ROC curve)
 into `--output-dir`.
 
     # DUQ, the paper's text (75 epochs, lambda 0.5; a GPU job)
-    python examples/cifar10.py --model duq --output-dir outputs/duq
+    python -m reproduction.cifar10 --model duq --output-dir outputs/duq
     # DUQ, the paper's code (100 epochs, lambda 0.75, weight decay 5e-4, ...)
-    python examples/cifar10.py --model duq --recipe paper_code \\
+    python -m reproduction.cifar10 --model duq --recipe paper_code \\
         --output-dir outputs/duq_code
     # baselines
-    python examples/cifar10.py --model softmax --output-dir outputs/softmax
-    python examples/cifar10.py --model ensemble --output-dir outputs/ensemble
+    python -m reproduction.cifar10 --model softmax --output-dir outputs/softmax
+    python -m reproduction.cifar10 --model ensemble --output-dir outputs/ensemble
     # quick smoke run
-    python examples/cifar10.py --epochs 1 --max-steps-per-epoch 2 \\
+    python -m reproduction.cifar10 --epochs 1 --max-steps-per-epoch 2 \\
         --test-subset 64 --output-dir outputs/smoke
 
 The data come from tensorflow-datasets: `cifar10` (train and test splits)
@@ -65,15 +65,16 @@ import tensorflow as tf
 import keras_duq
 
 # The resumable training loop, its epoch log, the figures and PyTorch's
-# default initializer are the FashionMNIST example's.
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fashion_mnist import MIXED_PRECISION_POLICIES  # noqa: E402
-from fashion_mnist import jit_compile_argument  # noqa: E402
-from fashion_mnist import nan_to_none  # noqa: E402
-from fashion_mnist import pytorch_default_initializer  # noqa: E402
-from fashion_mnist import save_figures  # noqa: E402
-from fashion_mnist import set_dtype_policy  # noqa: E402
-from fashion_mnist import train_model  # noqa: E402
+# default initializer are the FashionMNIST harness's.
+from reproduction.fashion_mnist import (
+    MIXED_PRECISION_POLICIES,
+    jit_compile_argument,
+    nan_to_none,
+    pytorch_default_initializer,
+    save_figures,
+    set_dtype_policy,
+    train_model,
+)
 
 NUM_CLASSES = 10
 IMAGE_SHAPE = (32, 32, 3)

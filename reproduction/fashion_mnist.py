@@ -7,13 +7,13 @@ Writes `results.json` and the ROC, rejection and histogram figures into
 `--output-dir`.
 
     # DUQ, the paper's settings (30 epochs; hours on a laptop CPU)
-    python examples/fashion_mnist.py --model duq --output-dir outputs/duq \\
+    python -m reproduction.fashion_mnist --model duq --output-dir outputs/duq \\
         --mnist-path ../shared/data/mnist
     # baselines
-    python examples/fashion_mnist.py --model softmax --output-dir outputs/softmax
-    python examples/fashion_mnist.py --model ensemble --output-dir outputs/ensemble
+    python -m reproduction.fashion_mnist --model softmax --output-dir outputs/softmax
+    python -m reproduction.fashion_mnist --model ensemble --output-dir outputs/ensemble
     # quick smoke run
-    python examples/fashion_mnist.py --epochs 2 --train-subset 3000 \\
+    python -m reproduction.fashion_mnist --epochs 2 --train-subset 3000 \\
         --batch-size 64 --output-dir outputs/smoke
 
 FashionMNIST comes from `keras.datasets.fashion_mnist` (set `KERAS_HOME` to
@@ -408,7 +408,7 @@ def train_model(model, make_dataset, args, steps_per_epoch, seed, callbacks=(),
     `make_dataset(seed)` builds the training pipeline, repeated, reshuffling
     itself every pass. With `backup_dir`, the training state is backed up
     after every epoch and a rerun resumes from the last finished one.
-    (examples/cifar10.py trains with this function too.)
+    (reproduction/cifar10.py trains with this function too.)
     """
     callbacks = list(callbacks)
     epoch_log = None

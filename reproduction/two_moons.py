@@ -6,10 +6,10 @@ certainty statistics, and writes a certainty map. The backbone is a
 spectrally normalised residual MLP (`--backbone residual_sn`, the default)
 or the paper's three-layer MLP (`--backbone paper`).
 
-    python examples/two_moons.py                                       # the demo
-    python examples/two_moons.py --seeds $(seq 0 19)                   # the 20-seed sweep
-    python examples/two_moons.py --backbone paper                      # Figure 1
-    python examples/two_moons.py --backbone paper --gradient-penalty 0 # Figure 3's failure
+    python -m reproduction.two_moons                                       # the demo
+    python -m reproduction.two_moons --seeds $(seq 0 19)                   # the 20-seed sweep
+    python -m reproduction.two_moons --backbone paper                      # Figure 1
+    python -m reproduction.two_moons --backbone paper --gradient-penalty 0 # Figure 3's failure
 
 Each run is checked against the demo's bar (`meets_bar`). The default met it
 on 19 of seeds 0-19 (20 with oneDNN off) and 18 of seeds 100-119; the paper's

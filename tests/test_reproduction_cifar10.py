@@ -1,4 +1,4 @@
-"""examples/cifar10.py: the paper's ResNet-18, the data pipeline, a smoke run.
+"""reproduction/cifar10.py: the paper's ResNet-18, the data pipeline, a smoke run.
 
 No CIFAR-10 or SVHN here: the pipeline and the end-to-end run use
 `tfds.testing.mock_data`, which makes tfds serve random images with the
@@ -6,11 +6,9 @@ datasets' real shapes and dtypes (the same images for every split and for
 both datasets) and turns `download_and_prepare` into a no-op.
 """
 
-import importlib.util
 import itertools
 import json
 import socket
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,10 +16,8 @@ import tensorflow as tf
 
 tfds = pytest.importorskip("tensorflow_datasets")
 
-_PATH = Path(__file__).resolve().parents[1] / "examples" / "cifar10.py"
-_spec = importlib.util.spec_from_file_location("cifar10_example", _PATH)
-cifar10 = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(cifar10)
+from reproduction import cifar10  # noqa: E402
+
 
 RESULT_KEYS = (
     "accuracy", "auroc", "aupr", "fpr_at_95_tpr", "misclassification_auroc",

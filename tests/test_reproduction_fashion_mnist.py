@@ -1,4 +1,4 @@
-"""Smoke test of examples/fashion_mnist.py on a real FashionMNIST subset.
+"""Smoke test of reproduction/fashion_mnist.py on a real FashionMNIST subset.
 
 Trains DUQ for a few epochs on 3,000 real training images and checks that it
 learns to classify and to tell FashionMNIST from MNIST. The thresholds sit
@@ -6,28 +6,18 @@ well below what was measured over seeds 0, 1 and 2 (see the test), and well
 above chance (accuracy 0.1, AUROC 0.5).
 """
 
-import importlib.util
 import json
-from pathlib import Path
 
 import keras
 import numpy as np
 import pytest
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fashion_mnist.py"
-
-
-def _import_example():
-    spec = importlib.util.spec_from_file_location("fashion_mnist_example", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from reproduction import fashion_mnist
 
 
 @pytest.mark.slow
 def test_duq_smoke_run_learns(tmp_path, mnist_dir, fashion_mnist_dir):
-    example = _import_example()
-    results = example.main(
+    results = fashion_mnist.main(
         [
             "--model", "duq",
             "--epochs", "3",
@@ -63,10 +53,9 @@ def test_duq_smoke_run_learns(tmp_path, mnist_dir, fashion_mnist_dir):
 def test_backup_dir_resumes_from_the_last_finished_epoch(
     tmp_path, mnist_dir, fashion_mnist_dir
 ):
-    example = _import_example()
 
     def run(epochs):
-        return example.main(
+        return fashion_mnist.main(
             [
                 "--model", "duq", "--epochs", str(epochs), "--batch-size", "64",
                 "--train-subset", "256", "--test-subset", "256", "--seed", "0",
@@ -91,9 +80,8 @@ def test_backup_dir_resumes_from_the_last_finished_epoch(
 
 
 def test_softmax_model_matches_the_paper():
-    example = _import_example()
-    args = example.parse_args(["--model", "softmax"])
-    model = example.build_softmax_model(args, steps_per_epoch=4)
+    args = fashion_mnist.parse_args(["--model", "softmax"])
+    model = fashion_mnist.build_softmax_model(args, steps_per_epoch=4)
     assert model.output_shape == (None, 10)
     # The paper's CNN: 28 -> 14 -> 7 -> 5 (unpadded) -> 2, then 256 features.
     backbone = model.layers[0]
@@ -104,18 +92,16 @@ def test_softmax_model_matches_the_paper():
 
 
 def test_learning_rate_schedule():
-    example = _import_example()
-    schedule = example.learning_rate_schedule(steps_per_epoch=4, epochs=30)
+    schedule = fashion_mnist.learning_rate_schedule(steps_per_epoch=4, epochs=30)
     # Step 39 is the last of epoch 10 (1-based), step 40 the first of epoch 11.
     rates = [float(schedule(step)) for step in (0, 39, 40, 79, 80, 119)]
     assert rates == pytest.approx([0.05, 0.05, 0.01, 0.01, 0.002, 0.002])
-    assert example.learning_rate_schedule(steps_per_epoch=4, epochs=3) == 0.05
+    assert fashion_mnist.learning_rate_schedule(steps_per_epoch=4, epochs=3) == 0.05
 
 
 def test_duq_model_settings():
-    example = _import_example()
-    args = example.parse_args([])
-    model = example.build_duq_model(args, steps_per_epoch=4)
+    args = fashion_mnist.parse_args([])
+    model = fashion_mnist.build_duq_model(args, steps_per_epoch=4)
     assert model.gradient_penalty == 0.05
     assert model.weight_decay == 1e-4
     assert model.duq_output.length_scale == 0.1
@@ -123,17 +109,16 @@ def test_duq_model_settings():
     assert model.duq_output.kernel.shape == (256, 256 * 10)
     assert model.duq_output.kernel_initializer.get_config()["stddev"] == 0.05
     assert model.bce_epsilon == 0.0
-    assert example.build_duq_model(
-        example.parse_args(["--bce-epsilon", "1e-12"]), steps_per_epoch=4
+    assert fashion_mnist.build_duq_model(
+        fashion_mnist.parse_args(["--bce-epsilon", "1e-12"]), steps_per_epoch=4
     ).bce_epsilon == 1e-12
 
 
 def test_mixed_precision_policy_applies_to_the_backbone_only():
-    example = _import_example()
-    assert example.parse_args(["--mixed-precision"]).mixed_precision == "mixed_float16"
-    args = example.parse_args(["--mixed-precision", "mixed_bfloat16"])
+    assert fashion_mnist.parse_args(["--mixed-precision"]).mixed_precision == "mixed_float16"
+    args = fashion_mnist.parse_args(["--mixed-precision", "mixed_bfloat16"])
     try:
-        model = example.build_model(args, steps_per_epoch=4, seed=0)
+        model = fashion_mnist.build_model(args, steps_per_epoch=4, seed=0)
         convolution = next(
             layer for layer in model._flatten_layers() if isinstance(layer, keras.layers.Conv2D)
         )
@@ -149,11 +134,10 @@ def test_seed_fixes_the_initial_weights():
     # `set_random_seed`, or `--seed` would not fix the initial weights.
     import keras
 
-    example = _import_example()
 
     def initial_weights(seed):
         keras.utils.set_random_seed(seed)
-        return [w.numpy() for w in example.build_backbone().weights]
+        return [w.numpy() for w in fashion_mnist.build_backbone().weights]
 
     first, other, again = initial_weights(0), initial_weights(1), initial_weights(0)
     for a, b, c in zip(first, other, again):
@@ -165,13 +149,12 @@ def test_seed_fixes_the_initial_weights():
 def test_ensemble_member_is_the_softmax_run_of_its_seed():
     # So a member can be trained on its own (`--model softmax --seed 0+i`)
     # and its state dropped into the ensemble's `member_i` backup.
-    example = _import_example()
-    ensemble = example.parse_args(["--model", "ensemble"])
-    example.build_model(ensemble, steps_per_epoch=4, seed=0)  # member 0
-    member_1 = example.build_model(ensemble, steps_per_epoch=4, seed=1).weights
+    ensemble = fashion_mnist.parse_args(["--model", "ensemble"])
+    fashion_mnist.build_model(ensemble, steps_per_epoch=4, seed=0)  # member 0
+    member_1 = fashion_mnist.build_model(ensemble, steps_per_epoch=4, seed=1).weights
     member_1 = [w.numpy() for w in member_1]
-    softmax = example.parse_args(["--model", "softmax"])
-    alone = example.build_model(softmax, steps_per_epoch=4, seed=1).weights
+    softmax = fashion_mnist.parse_args(["--model", "softmax"])
+    alone = fashion_mnist.build_model(softmax, steps_per_epoch=4, seed=1).weights
     assert len(member_1) == len(alone)
     for a, b in zip(member_1, alone):
         np.testing.assert_array_equal(a, b)

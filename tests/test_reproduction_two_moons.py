@@ -1,22 +1,19 @@
-"""The two-moons demo (examples/two_moons.py) learns, and the penalty matters.
+"""The two-moons demo (reproduction/two_moons.py) learns, and the penalty matters.
 
 Single-seed results depend on the CPU: oneDNN's rounding differs between
 machines, and 700 SGD steps amplify it (see docs/two_moons.md). So the tests
 assert statistics over seeds, with margins measured on three numerics (oneDNN
 on and off on an Intel Xeon, oneDNN on on an AMD EPYC): the seed tables are in
-the docs; the sweep is `python examples/two_moons.py --seeds $(seq 0 19)`.
+the docs; the sweep is `python -m reproduction.two_moons --seeds $(seq 0 19)`.
 """
 
-import importlib.util
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-_PATH = Path(__file__).resolve().parents[1] / "examples" / "two_moons.py"
-_spec = importlib.util.spec_from_file_location("two_moons", _PATH)
-two_moons = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(two_moons)
+from reproduction import two_moons
+
 
 SEEDS = range(5)  # the first five; not chosen by their results
 

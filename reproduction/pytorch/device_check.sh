@@ -7,7 +7,7 @@
 #   mkdir -p .duq_data/keras/datasets .duq_data/mnist
 #   cp -r ../shared/data/keras/datasets/fashion-mnist .duq_data/keras/datasets/
 #   cp ../shared/data/mnist/t10k-* .duq_data/mnist/
-# then: bash docs/reproduction/pytorch/device_check.sh
+# then: bash reproduction/pytorch/device_check.sh
 # (carry `.duq_data`). Runs go PARALLEL at a time (default 8) from a queue in
 # order of priority; no run starts in the last 120 s, and all stop at LIMIT_S
 # (default 480) with their finished epochs logged. Results land in $OUT (or
@@ -15,7 +15,7 @@
 set -u
 out=${OUT:-pytorch_gpu_out}
 export STATE=${STATE_DIR:-/tmp/duq_pytorch_state}
-export SCRIPT=docs/reproduction/pytorch/train_pytorch.py
+export SCRIPT=reproduction/pytorch/train_pytorch.py
 export DUQ_DATA=${DUQ_DATA:-.duq_data} PYTHONUNBUFFERED=1
 export DEADLINE=$(( $(date +%s) + ${LIMIT_S:-480} ))
 export PYTHON=${PYTHON:-python3}

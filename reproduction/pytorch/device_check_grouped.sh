@@ -12,7 +12,7 @@
 set -u
 out=${OUT:-pytorch_gpu_out}
 state=${STATE_DIR:-/tmp/duq_grouped_state}
-script=docs/reproduction/pytorch/train_pytorch_grouped.py
+script=reproduction/pytorch/train_pytorch_grouped.py
 export DUQ_DATA=${DUQ_DATA:-.duq_data} PYTHONUNBUFFERED=1
 python=${PYTHON:-python3}
 device=${DEVICE:-cuda}  # DEVICE=cpu, TIMING_MODELS="2 4", TIMING_STEPS=7 and

@@ -8,16 +8,13 @@ the batches (`batches.npz`), and per-step losses and weight snapshots for
 """
 
 import argparse
-import os
-import sys
 
 import keras
 import numpy as np
 
 import keras_duq
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples"))
-import fashion_mnist  # noqa: E402  (examples/fashion_mnist.py)
+from reproduction import fashion_mnist
 
 SNAPSHOT_STEPS = (1, 2, 5, 10, 20, 40)
 

@@ -18,7 +18,6 @@ Usage, from this folder (writes `trained_weights.npz` and
 import argparse
 import contextlib
 import os
-import sys
 
 import keras
 import numpy as np
@@ -27,11 +26,10 @@ import tensorflow as tf
 import keras_duq
 from keras_duq import _moments, _ops
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples"))
-import fashion_mnist  # noqa: E402  (examples/fashion_mnist.py)
+from reproduction import fashion_mnist
 
 STATE = os.path.join(
-    os.path.dirname(__file__), "..", "fashion_mnist", "duq_seed0", "backup", "member_0", "state",
+    os.path.dirname(__file__), "..", "results", "fashion_mnist", "duq_seed0", "backup", "member_0", "state",
     "latest.weights.h5",
 )
 

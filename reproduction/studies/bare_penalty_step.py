@@ -26,10 +26,10 @@ derivative of `sum_c K_c` along d(penalty)/d(input gradient), held fixed; a
 `tf.autodiff.ForwardAccumulator` gives that directional derivative and the
 outer tape differentiates it. Exact, with a different operation graph.
 
-    python benchmarks/bare_penalty_step.py             # all six, alternating
-    python benchmarks/bare_penalty_step.py exact fused # only these
-    python benchmarks/bare_penalty_step.py --profile   # `exact`'s time by op type
-    python benchmarks/bare_penalty_step.py --check     # gradients vs `exact`
+    python -m reproduction.studies.bare_penalty_step             # all six, alternating
+    python -m reproduction.studies.bare_penalty_step exact fused # only these
+    python -m reproduction.studies.bare_penalty_step --profile   # `exact`'s time by op type
+    python -m reproduction.studies.bare_penalty_step --check     # gradients vs `exact`
 
 Each variant runs in its own process, in alternating rounds; the script
 prints the median step time of each (milliseconds) and its ratio to `exact`.

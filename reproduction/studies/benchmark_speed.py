@@ -1,15 +1,15 @@
 """Training and inference speed of DUQ against a softmax model, side by side.
 
-    python benchmarks/benchmark_speed.py                 # everything, ~20 min on 2 cores
-    python benchmarks/benchmark_speed.py --quick         # fewer windows, short epoch
+    python -m reproduction.studies.benchmark_speed                 # everything, ~20 min on 2 cores
+    python -m reproduction.studies.benchmark_speed --quick         # fewer windows, short epoch
 
 Measures, in one run on one machine with the same data shapes:
 
 - training step time and examples/s (median of timed windows after warm-up)
   for a softmax model, DUQ without the penalty and DUQ with the two-sided
   penalty, on the paper's FashionMNIST CNN (batch 128, from
-  `examples/fashion_mnist.py`) and the two-moons MLP (batch 64, from
-  `examples/two_moons.py`), each compiled as a TensorFlow graph and with XLA;
+  `reproduction/fashion_mnist.py`) and the two-moons MLP (batch 64, from
+  `reproduction/two_moons.py`), each compiled as a TensorFlow graph and with XLA;
 - inference time at batch 1 and batch 1000, softmax against DUQ;
 - the CNN steps under `mixed_bfloat16`;
 - one full epoch of real FashionMNIST through `model.fit` and the
@@ -46,7 +46,7 @@ import tensorflow as tf
 
 import keras_duq
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 KINDS = ("softmax", "duq_no_penalty", "duq_penalty")
 
 
@@ -427,7 +427,7 @@ def print_report(report):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output", default="benchmarks/results.json")
+    parser.add_argument("--output", default="reproduction/results/benchmark_speed.json")
     parser.add_argument(
         "--quick", action="store_true",
         help="3 timing windows instead of 7 and a 60-step epoch.",

@@ -10,11 +10,11 @@ by side in one run:
   epochs on inputs multiplied by 1, 10, 100 and 1000, penalty off and on:
   whether training ends with finite weights, or keras_duq's guard stops it;
 - `fashion_mnist`: FashionMNIST after one epoch of the paper's recipe
-  (examples/fashion_mnist.py), training accuracy of the epoch, test accuracy
+  (reproduction/fashion_mnist.py), training accuracy of the epoch, test accuracy
   and AUROC against MNIST, over seeds.
 
-    python benchmarks/bounded_gradient.py --output benchmarks/bounded_gradient.json
-    python benchmarks/bounded_gradient.py --parts distant
+    python -m reproduction.studies.bounded_gradient --output reproduction/results/bounded_gradient.json
+    python -m reproduction.studies.bounded_gradient --parts distant
 
 FashionMNIST needs `KERAS_HOME` pointing at an offline copy (or network) and
 `--mnist-path`; the default is `../shared/data` beside the repository.
@@ -30,7 +30,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT.parent / "shared" / "data"
 os.environ.setdefault("KERAS_HOME", str(DATA / "keras"))
 
@@ -79,7 +79,7 @@ def fashion_mnist(seeds, mnist_path, scratch):
         for bce_epsilon in EPSILONS:
             out = Path(scratch) / f"eps{bce_epsilon:g}_seed{seed}"
             subprocess.run(
-                [sys.executable, str(ROOT / "examples" / "fashion_mnist.py"), "--model", "duq",
+                [sys.executable, "-m", "reproduction.fashion_mnist", "--model", "duq",
                  "--gradient-penalty", "0.05", "--epochs", "1", "--seed", str(seed),
                  "--bce-epsilon", str(bce_epsilon), "--mnist-path", mnist_path,
                  "--ood-eval-every", "0", "--output-dir", str(out), "--verbose", "0"],

@@ -6,15 +6,15 @@ dominates for hundreds of steps. `DUQOutput(bias_correction=True)` makes each
 centroid the average of its class's embeddings from the first batch on. This
 script measures both settings, side by side in one run, on:
 
-- `moons`: the two-moons demo (examples/two_moons.py) over 20 seeds;
-- `fashion_mnist`: FashionMNIST after one epoch (examples/fashion_mnist.py,
+- `moons`: the two-moons demo (reproduction/two_moons.py) over 20 seeds;
+- `fashion_mnist`: FashionMNIST after one epoch (reproduction/fashion_mnist.py,
   the paper's recipe), accuracy and AUROC against MNIST, over seeds;
 - `mobilenet`: a MobileNetV2 backbone (alpha 0.35, 32x32 inputs, trained
   from scratch) on a FashionMNIST subset for 5 epochs of 16 steps: `predict`
   accuracy against the accuracy in training mode, and the certainty.
 
-    python benchmarks/centroid_bias_correction.py --output benchmarks/centroid_bias_correction.json
-    python benchmarks/centroid_bias_correction.py --parts moons mobilenet
+    python -m reproduction.studies.centroid_bias_correction --output reproduction/results/centroid_bias_correction.json
+    python -m reproduction.studies.centroid_bias_correction --parts moons mobilenet
 
 FashionMNIST needs `KERAS_HOME` pointing at an offline copy (or network) and
 `--mnist-path`; the default is `../shared/data` beside the repository.
@@ -30,7 +30,7 @@ import platform
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT.parent / "shared" / "data"
 os.environ.setdefault("KERAS_HOME", str(DATA / "keras"))
 
@@ -41,10 +41,7 @@ import keras_duq  # noqa: E402
 
 
 def _example(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module(f"reproduction.{name}")
 
 
 def moons(seeds, gradient_penalty):

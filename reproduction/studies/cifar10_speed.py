@@ -1,7 +1,7 @@
 """Training step time of the paper's CIFAR-10 ResNet-18: softmax against DUQ.
 
-    python benchmarks/cifar10_speed.py          # batch 128: the real measurement
-    python benchmarks/cifar10_speed.py --steps 2 --warmup 1 --batch-size 8 \\
+    python -m reproduction.studies.cifar10_speed          # batch 128: the real measurement
+    python -m reproduction.studies.cifar10_speed --steps 2 --warmup 1 --batch-size 8 \\
         --output /tmp/cifar10_speed.json                  # check that it runs
 
 Times, side by side in one process on random data, `model.fit` steps of:
@@ -10,7 +10,7 @@ Times, side by side in one process on random data, `model.fit` steps of:
 - `duq`: DUQ without the gradient penalty (lambda 0);
 - `duq_penalty`: DUQ with the two-sided penalty (lambda 0.5, the paper's);
 
-all built by `examples/cifar10.py` (the `--recipe` given, default the
+all built by `reproduction/cifar10.py` (the `--recipe` given, default the
 paper's text), so the benchmark times exactly the example's models. A
 callback times each step from `on_train_batch_begin` to
 `on_train_batch_end` (the step's loss read back, so the step has finished);
@@ -22,7 +22,7 @@ speed drifts slows all of them alike.
 Prints a table with the ratios to softmax beside the reference numbers
 (PyTorch on an NVIDIA H200, the paper's 1080 Ti epochs) and writes it all,
 with the CPU model, the core count and the TensorFlow and Keras versions, as
-JSON (`--output`, default `benchmarks/cifar10_speed.json`).
+JSON (`--output`, default `reproduction/results/cifar10_speed.json`).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import tensorflow as tf
 
 import keras_duq
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 KINDS = ("softmax", "duq", "duq_penalty")
 NUM_CLASSES = 10
 
@@ -63,12 +63,7 @@ REFERENCE = {
 
 
 def _load_example():
-    spec = importlib.util.spec_from_file_location(
-        "cifar10_example", ROOT / "examples" / "cifar10.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("reproduction.cifar10")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -94,7 +89,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="lambda of `duq_penalty` (the paper's CIFAR-10 value).",
     )
     parser.add_argument(
-        "--recipe", default="paper", help="`--recipe` of examples/cifar10.py."
+        "--recipe", default="paper", help="`--recipe` of reproduction/cifar10.py."
     )
     parser.add_argument(
         "--mixed-precision", default="none",
@@ -102,7 +97,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--jit-compile", choices=("auto", "true", "false"), default="auto",
-        help="As in examples/cifar10.py (auto: no XLA on CPUs).",
+        help="As in reproduction/cifar10.py (auto: no XLA on CPUs).",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -222,7 +217,7 @@ def main(argv=None) -> dict:
         for entry in results.values():
             entry["ratio_to_softmax"] = entry["median_step_ms"] / base
     report = {
-        "benchmark": "examples/cifar10.py ResNet-18, model.fit on random data",
+        "benchmark": "reproduction/cifar10.py ResNet-18, model.fit on random data",
         "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "gpus": [d.name for d in tf.config.list_physical_devices("GPU")],

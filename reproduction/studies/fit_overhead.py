@@ -11,13 +11,12 @@ arrays, which keras_duq runs with autotuning off) and
 Before keras_duq turned autotuning off for arrays, the NumPy rows measured
 1.93-1.99 with the penalty (docs/performance.md).
 
-    python benchmarks/fit_overhead.py --output benchmarks/fit_overhead.json
+    python -m reproduction.studies.fit_overhead --output reproduction/results/fit_overhead.json
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import platform
 import time
@@ -27,8 +26,9 @@ import keras
 import numpy as np
 
 import keras_duq
+from reproduction import fashion_mnist
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class BatchTimes(keras.callbacks.Callback):
@@ -43,13 +43,8 @@ class BatchTimes(keras.callbacks.Callback):
 
 
 def build(gradient_penalty):
-    spec = importlib.util.spec_from_file_location(
-        "fashion_mnist", ROOT / "examples" / "fashion_mnist.py"
-    )
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
     model = keras_duq.wrap(
-        example.build_backbone(), 10, centroid_dims=256, gradient_penalty=gradient_penalty
+        fashion_mnist.build_backbone(), 10, centroid_dims=256, gradient_penalty=gradient_penalty
     )
     model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9))
     return model

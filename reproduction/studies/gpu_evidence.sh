@@ -14,11 +14,11 @@
 #   cp ../shared/data/keras/datasets/fashion-mnist/*.gz .gpu_data/fashion-mnist/
 #   cp ../shared/data/mnist/t10k-*.gz .gpu_data/mnist/
 #
-# Then, with the device tool: run(command="BUDGET=560 bash benchmarks/gpu_evidence.sh
+# Then, with the device tool: run(command="BUDGET=560 bash reproduction/studies/gpu_evidence.sh
 # speed default fm", carry=[".whl", ".gpu_data"], timeout_s=600). Parts, run in
 # the order given:
 #
-#   speed     ms/step through `fit` and predict time (benchmarks/jax_speed.py):
+#   speed     ms/step through `fit` and predict time (reproduction/studies/jax_speed.py):
 #             the paper's FashionMNIST CNN, then the CIFAR ResNet-18; softmax /
 #             DUQ / DUQ with the penalty; float32 with matmul precision
 #             "highest" (no TF32) and mixed_bfloat16. At most SPEED_S seconds
@@ -27,7 +27,7 @@
 #             "cifar_resnet18" and "mixed_bfloat16").
 #   default   the CNN again at JAX's default precision (TF32 allowed), at most
 #             60 seconds.
-#   fm        examples/fashion_mnist.py, the paper's recipe (30 epochs), for
+#   fm        reproduction/fashion_mnist.py, the paper's recipe (30 epochs), for
 #             every seed in SEEDS (default "0 1") and policy in FM_POLICIES
 #             (default float32 ("highest") and mixed_bfloat16), all in
 #             parallel on the one GPU (their times are not step timings). Each
@@ -86,13 +86,13 @@ for part in "$@"; do
     case "$part" in
         speed)
             limit=$(left 5); [ "$limit" -gt "$SPEED_S" ] && limit=$SPEED_S
-            timeout "$limit" python3 benchmarks/jax_speed.py --networks "${networks[@]}" \
+            timeout "$limit" python -m reproduction.studies.jax_speed --networks "${networks[@]}" \
                 --policies "${policies[@]}" --matmul-precision highest --output "$OUT/jax_speed_highest.json" \
                 "${speed_args[@]}" 2>&1 | tee -a "$log"
             ;;
         default)
             limit=$(left 5); [ "$limit" -gt 60 ] && limit=60
-            timeout "$limit" python3 benchmarks/jax_speed.py --matmul-precision default \
+            timeout "$limit" python -m reproduction.studies.jax_speed --matmul-precision default \
                 --output "$OUT/jax_speed_default.json" "${speed_args[@]}" 2>&1 | tee -a "$log"
             ;;
         fm)
@@ -105,7 +105,7 @@ for part in "$@"; do
                     mp=$policy; [ "$policy" = float32 ] && mp=none
                     (
                         JAX_DEFAULT_MATMUL_PRECISION=highest timeout "$limit" \
-                            python3 examples/fashion_mnist.py --seed "$seed" \
+                            python -m reproduction.fashion_mnist --seed "$seed" \
                             --mixed-precision "$mp" --fashion-mnist-path "$data/fashion-mnist" \
                             --mnist-path "$mnist" --output-dir "/tmp/$name" "${fm_args[@]}" 2>&1 \
                             | sed -u "s/^/[$name] /" >> "$log"

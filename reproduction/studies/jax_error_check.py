@@ -9,7 +9,7 @@ on a CPU, where host time matters most) with the code read after every
 call, every 8 calls (`CHECK_EVERY`, the default) and only at the end of
 the epoch, interleaved in one process:
 
-    KERAS_BACKEND=jax python benchmarks/jax_error_check.py --output jax_error_check.json
+    KERAS_BACKEND=jax python -m reproduction.studies.jax_error_check --output jax_error_check.json
 """
 
 from __future__ import annotations

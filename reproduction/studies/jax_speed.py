@@ -5,8 +5,8 @@ run, for the paper's FashionMNIST CNN and the CIFAR-10 ResNet-18 (pick with
 `--networks`), in float32 and `mixed_bfloat16`. Made for the GPU machine (no
 TensorFlow there), and runs on a CPU too:
 
-    KERAS_BACKEND=jax python benchmarks/jax_speed.py --output jax_speed.json
-    KERAS_BACKEND=jax python benchmarks/jax_speed.py --networks cifar_resnet18 --steps 50
+    KERAS_BACKEND=jax python -m reproduction.studies.jax_speed --output jax_speed.json
+    KERAS_BACKEND=jax python -m reproduction.studies.jax_speed --networks cifar_resnet18 --steps 50
 
 A step time is the wall time of one `fit` call of `--steps` steps divided by
 the steps, after a compiling call; the median of `--repeats` calls. It
@@ -39,15 +39,12 @@ import numpy as np  # noqa: E402
 
 import keras_duq  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 KINDS = ("softmax", "duq", "duq_penalty")
 
 
 def _example(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module(f"reproduction.{name}")
 
 
 def fashion_mnist_cnn():
@@ -56,7 +53,7 @@ def fashion_mnist_cnn():
 
 def cifar_resnet18():
     if "tensorflow" not in sys.modules and importlib.util.find_spec("tensorflow") is None:
-        # examples/cifar10.py imports TensorFlow for its tf.data pipeline;
+        # reproduction/cifar10.py imports TensorFlow for its tf.data pipeline;
         # its ResNet-18 is plain Keras. The GPU machine has no TensorFlow.
         sys.modules["tensorflow"] = types.ModuleType("tensorflow")
     return _example("cifar10").build_resnet18(), (32, 32, 3), 512

@@ -8,13 +8,12 @@ interval sees its share of penalty steps); the report gives each model's
 mean step time over all rounds (the cost per step averaged over penalty and
 plain steps) and its ratio to the exact penalty.
 
-    python benchmarks/lazy_penalty_speed.py --output benchmarks/lazy_penalty_speed.json
+    python -m reproduction.studies.lazy_penalty_speed --output reproduction/results/lazy_penalty_speed.json
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import platform
 import statistics
@@ -25,18 +24,15 @@ import keras
 import numpy as np
 
 import keras_duq
+from reproduction import fashion_mnist
 
-ROOT = Path(__file__).resolve().parents[1]
 INTERVALS = (1, 2, 4, 8)
 
 
 def build(gradient_penalty, penalty_interval):
-    spec = importlib.util.spec_from_file_location("fashion_mnist", ROOT / "examples" / "fashion_mnist.py")
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
     keras.utils.set_random_seed(0)
     model = keras_duq.wrap(
-        example.build_backbone(), 10, centroid_dims=256,
+        fashion_mnist.build_backbone(), 10, centroid_dims=256,
         gradient_penalty=gradient_penalty, penalty_interval=penalty_interval,
     )
     model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9))

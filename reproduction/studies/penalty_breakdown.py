@@ -1,7 +1,7 @@
 """Where the gradient penalty's step time goes, on the FashionMNIST CNN.
 
-    python benchmarks/penalty_breakdown.py            # ~4 min on 2 cores
-    python benchmarks/penalty_breakdown.py --rounds 3 # shorter
+    python -m reproduction.studies.penalty_breakdown            # ~4 min on 2 cores
+    python -m reproduction.studies.penalty_breakdown --rounds 3 # shorter
 
 Times, side by side in one process (graph mode, batch 128, each model's own
 compiled train function on a batch held in memory), in interleaved rounds so
@@ -19,7 +19,7 @@ that a drift of the machine's speed hits every model alike:
 
 Prints the median step times and their ratios to the softmax step of the
 same backbone and of the paper's CNN, and writes them as JSON
-(`benchmarks/penalty_breakdown.json`).
+(`reproduction/results/penalty_breakdown.json`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import tensorflow as tf
 
 import benchmark_speed as speed
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TASK = "fashion_mnist_cnn"
 
 

@@ -18,7 +18,7 @@ their ratio.
 Needs `torch` (not a keras_duq dependency):
 
     pip install torch
-    python benchmarks/pytorch_comparison.py --output benchmarks/pytorch_comparison.json
+    python -m reproduction.studies.pytorch_comparison --output reproduction/results/pytorch_comparison.json
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BATCH, CLASSES, FEATURES, CENTROID_DIMS = 128, 10, 256, 256
 LENGTH_SCALE, GAMMA, PENALTY, LR, WEIGHT_DECAY = 0.1, 0.999, 0.05, 0.05, 1e-4
 
@@ -42,19 +42,17 @@ LENGTH_SCALE, GAMMA, PENALTY, LR, WEIGHT_DECAY = 0.1, 0.999, 0.05, 0.05, 1e-4
 
 
 def keras_worker():
-    import importlib.util
 
     import keras
     import numpy as np
 
     import keras_duq
 
-    spec = importlib.util.spec_from_file_location("fashion_mnist", ROOT / "examples" / "fashion_mnist.py")
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    from reproduction import fashion_mnist
+
     keras.utils.set_random_seed(0)
     model = keras_duq.wrap(
-        example.build_backbone(), CLASSES, centroid_dims=CENTROID_DIMS,
+        fashion_mnist.build_backbone(), CLASSES, centroid_dims=CENTROID_DIMS,
         length_scale=LENGTH_SCALE, momentum=GAMMA, gradient_penalty=PENALTY,
         weight_decay=WEIGHT_DECAY,
     )
