@@ -44,9 +44,12 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 MODES = ("exact", "stopgrad", "fused", "xla_bn", "custom_bn", "jvp")
 BATCH, EPSILON, LENGTH_SCALE, LAMBDA = 128, 1e-5, 0.1, 0.05
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def build(tf, mode):
@@ -263,8 +266,8 @@ def main():
     for _ in range(args.rounds):
         for mode in modes:
             output = subprocess.run(
-                [sys.executable, __file__, "--worker", mode, "--steps", str(args.steps)],
-                check=True, capture_output=True, text=True,
+                [sys.executable, "-m", "reproduction.studies.bare_penalty_step", "--worker", mode, "--steps", str(args.steps)],
+                check=True, capture_output=True, text=True, cwd=ROOT,
                 env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
             ).stdout.split()
             results[mode].append(float(output[-1]))

@@ -1,5 +1,9 @@
 """Training and inference speed of DUQ against a softmax model, side by side.
 
+The detailed TensorFlow study behind docs/performance.md's tables (XLA,
+bfloat16, a full epoch through `fit`, memory); `python -m benchmarks` is
+the short, every-backend version.
+
     python -m reproduction.studies.benchmark_speed                 # everything, ~20 min on 2 cores
     python -m reproduction.studies.benchmark_speed --quick         # fewer windows, short epoch
 
@@ -29,7 +33,6 @@ do not.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -45,20 +48,13 @@ import numpy as np
 import tensorflow as tf
 
 import keras_duq
+from benchmarks.speed import median_seconds
+from reproduction import fashion_mnist, two_moons
 
 ROOT = Path(__file__).resolve().parents[2]
 KINDS = ("softmax", "duq_no_penalty", "duq_penalty")
 
 
-def _load_example(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-fashion_mnist = _load_example("fashion_mnist")
-two_moons = _load_example("two_moons")
 
 # Per task: backbone builder, input shape, classes, batch size, DUQ settings.
 TASKS = {
@@ -100,23 +96,6 @@ def build(kind, task, jit_compile=False):
     model = keras_duq.wrap(backbone, settings["num_classes"], **duq)
     model.compile(optimizer=optimizer, jit_compile=jit_compile)
     return model
-
-
-def median_seconds(fn, warmup, windows, calls_per_window, min_window_s=0.5):
-    start = time.perf_counter()
-    for _ in range(warmup):
-        fn()
-    # Millisecond steps (the MLP) need many calls per window to rise above
-    # the machine's noise.
-    per_call = (time.perf_counter() - start) / warmup
-    calls_per_window = max(calls_per_window, int(min_window_s / per_call))
-    times = []
-    for _ in range(windows):
-        start = time.perf_counter()
-        for _ in range(calls_per_window):
-            fn()
-        times.append((time.perf_counter() - start) / calls_per_window)
-    return statistics.median(times)
 
 
 def _batch(task, batch_size=None, seed=0):
@@ -344,9 +323,9 @@ def epoch_benchmark(steps, windows):
     results = {}
     for kind in ("softmax", "duq_penalty"):
         output = subprocess.run(
-            [sys.executable, __file__, "--epoch-run", kind,
+            [sys.executable, "-m", "reproduction.studies.benchmark_speed", "--epoch-run", kind,
              "--epoch-steps", str(steps or 0), "--windows", str(windows)],
-            capture_output=True, text=True, check=True,
+            capture_output=True, text=True, check=True, cwd=ROOT,
         ).stdout
         results[kind] = json.loads(output.strip().splitlines()[-1])
     return results

@@ -83,7 +83,7 @@ def fashion_mnist(seeds, mnist_path, scratch):
                  "--gradient-penalty", "0.05", "--epochs", "1", "--seed", str(seed),
                  "--bce-epsilon", str(bce_epsilon), "--mnist-path", mnist_path,
                  "--ood-eval-every", "0", "--output-dir", str(out), "--verbose", "0"],
-                check=True,
+                check=True, cwd=ROOT,
             )
             result = json.loads((out / "results.json").read_text())
             rows.append({

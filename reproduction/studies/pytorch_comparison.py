@@ -181,8 +181,8 @@ def main(argv=None):
     workers, versions = {}, {}
     for kind in ("keras", "torch"):
         workers[kind] = subprocess.Popen(
-            [sys.executable, __file__, "--worker", kind],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+            [sys.executable, "-m", "reproduction.studies.pytorch_comparison", "--worker", kind],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT,
         )
         versions.update(json.loads(workers[kind].stdout.readline()))
     times = {kind: [] for kind in workers}
