@@ -33,8 +33,8 @@ override single values):
   layer (512 features), SGD lr 0.05, momentum 0.9, batch 128, 75 epochs, lr
   x 0.2 at epochs 25 and 50, weight decay 1e-4, lambda 0.5, centroid size
   512, length scale 0.1, gamma 0.999, centroids drawn from normal(0, 0.05).
-- `paper_code`, the paper's code (`train_duq_cifar.py`, with the settings
-  given in issue 20; docs/cifar10.md on its versions): 100 epochs, lr
+- `paper_code`, the paper's code (`train_duq_cifar.py`; docs/cifar10.md on
+  its versions): 100 epochs, lr
   x 0.2 at epochs 25, 50 and 75, weight decay 5e-4, lambda 0.75,
   torchvision's last linear layer kept as a 512 x 512 layer, W drawn from a
   Kaiming normal over a fan-in of classes x features, the centroid state

@@ -33,7 +33,7 @@ def test_duq_smoke_run_learns(tmp_path, mnist_dir, fashion_mnist_dir):
         ]
     )
     # 282 steps (batch 32). With batch 64 (141 steps) the AUROC was volatile:
-    # 0.74-0.98 over seeds 0-2 and sessions, and 0.600 for seed 0 once
+    # 0.74-0.98 over seeds 0-2 and repeated runs, and 0.600 for seed 0 once
     # `--seed` fixed the backbone's initial weights (seed 1: 0.885). With
     # batch 32, measured: seed 0 accuracy 0.781 / AUROC 0.914, seed 2 0.783 /
     # 0.740 (145 s each, two runs sharing 2 CPU cores). The

@@ -50,8 +50,8 @@ NUM_CLASSES = 10
 # Measured elsewhere, not by this script: shown beside its numbers, labelled.
 REFERENCE = {
     "pytorch_h200_step_ms": {
-        "source": "PyTorch reference training step on an NVIDIA H200, as given "
-        "in issue 20 (not measured by this script)",
+        "source": "PyTorch reference timings of the paper code's training step on "
+        "an NVIDIA H200 (not measured by this script)",
         "float32": {"softmax": 17.9, "duq": 23.5, "duq_penalty": 111.4},
         "bfloat16": {"softmax": 10.1, "duq": 16.5, "duq_penalty": 50.0},
     },
@@ -266,8 +266,8 @@ def print_table(report):
             f"{paper[kind]:>22}"
         )
     print(
-        "(PyTorch and paper columns: reference numbers from issue 20 and the "
-        "paper, not measured by this script.)"
+        "(PyTorch and paper columns: reference numbers for the paper code "
+        "and from the paper, not measured by this script.)"
     )
 
 

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# keras_duq's GPU evidence on the JAX backend, in one prepared device call.
+# keras_duq's GPU measurements on the JAX backend, in one script.
 #
-# The lent GPU machine has JAX (CUDA), scikit-learn and matplotlib but no
-# TensorFlow or Keras, and no network. Prepare here, once, in the repository
-# root (both folders are ignored by git and travel with `carry`):
+# Written for a GPU machine that has JAX (CUDA), scikit-learn and matplotlib
+# but no TensorFlow or Keras, and no network. Prepare, once, on a machine with
+# network, in the repository root, and copy both folders along with the
+# repository (git ignores them):
 #
 #   echo /.whl/ >> .git/info/exclude; echo /.gpu_data/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
@@ -14,9 +15,11 @@
 #   cp ../shared/data/keras/datasets/fashion-mnist/*.gz .gpu_data/fashion-mnist/
 #   cp ../shared/data/mnist/t10k-*.gz .gpu_data/mnist/
 #
-# Then, with the device tool: run(command="BUDGET=560 bash reproduction/studies/gpu_evidence.sh
-# speed default fm", carry=[".whl", ".gpu_data"], timeout_s=600). Parts, run in
-# the order given:
+# Then, on the GPU machine, from the repository root:
+#
+#   BUDGET=560 bash reproduction/studies/gpu_evidence.sh speed default fm
+#
+# Parts, run in the order given:
 #
 #   speed     ms/step through `fit` and predict time (reproduction/studies/jax_speed.py):
 #             the paper's FashionMNIST CNN, then the CIFAR ResNet-18; softmax /
@@ -31,17 +34,17 @@
 #             every seed in SEEDS (default "0 1") and policy in FM_POLICIES
 #             (default float32 ("highest") and mixed_bfloat16), all in
 #             parallel on the one GPU (their times are not step timings). Each
-#             run logs every epoch, so a run stopped by the budget still shows
+#             run logs every epoch, so a run stopped by BUDGET still shows
 #             how far it got.
 #
 # BUDGET (seconds, default 3600) bounds the whole script: each part stops at
-# the budget. Everything goes to $OUT (at most 8 files come back): run.log (the
+# the budget. Everything goes to $OUT: run.log (the
 # GPU, then every part's output, fm's lines prefixed by run), jax_speed_*.json
 # and fm_<policy>_seed<S>.json.
 # SMOKE=1 shrinks every part to a few steps and leaves the ResNet out (a
-# check on a CPU before a lease).
+# check on a CPU before using the GPU).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT="${OUT:-/tmp/gpu_evidence_out}"
 SEEDS="${SEEDS:-0 1}"
 FM_POLICIES="${FM_POLICIES:-float32 mixed_bfloat16}"
@@ -86,13 +89,13 @@ for part in "$@"; do
     case "$part" in
         speed)
             limit=$(left 5); [ "$limit" -gt "$SPEED_S" ] && limit=$SPEED_S
-            timeout "$limit" python -m reproduction.studies.jax_speed --networks "${networks[@]}" \
+            timeout "$limit" python3 -m reproduction.studies.jax_speed --networks "${networks[@]}" \
                 --policies "${policies[@]}" --matmul-precision highest --output "$OUT/jax_speed_highest.json" \
                 "${speed_args[@]}" 2>&1 | tee -a "$log"
             ;;
         default)
             limit=$(left 5); [ "$limit" -gt 60 ] && limit=60
-            timeout "$limit" python -m reproduction.studies.jax_speed --matmul-precision default \
+            timeout "$limit" python3 -m reproduction.studies.jax_speed --matmul-precision default \
                 --output "$OUT/jax_speed_default.json" "${speed_args[@]}" 2>&1 | tee -a "$log"
             ;;
         fm)
@@ -105,7 +108,7 @@ for part in "$@"; do
                     mp=$policy; [ "$policy" = float32 ] && mp=none
                     (
                         JAX_DEFAULT_MATMUL_PRECISION=highest timeout "$limit" \
-                            python -m reproduction.fashion_mnist --seed "$seed" \
+                            python3 -m reproduction.fashion_mnist --seed "$seed" \
                             --mixed-precision "$mp" --fashion-mnist-path "$data/fashion-mnist" \
                             --mnist-path "$mnist" --output-dir "/tmp/$name" "${fm_args[@]}" 2>&1 \
                             | sed -u "s/^/[$name] /" >> "$log"

@@ -2,8 +2,8 @@
 
 Times `model.fit` steps at batch 128 on random data, side by side in one
 run, for the paper's FashionMNIST CNN and the CIFAR-10 ResNet-18 (pick with
-`--networks`), in float32 and `mixed_bfloat16`. Made for the GPU machine (no
-TensorFlow there), and runs on a CPU too:
+`--networks`), in float32 and `mixed_bfloat16`. Needs no TensorFlow (for GPU
+machines with JAX only), and runs on a CPU too:
 
     KERAS_BACKEND=jax python -m reproduction.studies.jax_speed --output jax_speed.json
     KERAS_BACKEND=jax python -m reproduction.studies.jax_speed --networks cifar_resnet18 --steps 50
@@ -54,7 +54,7 @@ def fashion_mnist_cnn():
 def cifar_resnet18():
     if "tensorflow" not in sys.modules and importlib.util.find_spec("tensorflow") is None:
         # reproduction/cifar10.py imports TensorFlow for its tf.data pipeline;
-        # its ResNet-18 is plain Keras. The GPU machine has no TensorFlow.
+        # its ResNet-18 is plain Keras, so a machine with JAX only can build it.
         sys.modules["tensorflow"] = types.ModuleType("tensorflow")
     return _example("cifar10").build_resnet18(), (32, 32, 3), 512
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# For a GPU machine with PyTorch (the device tool's image): the paper's run in
+# For a GPU machine with PyTorch (CUDA) and numpy: the paper's run in
 # PyTorch over several seeds, in float32 (cuDNN's TF32 off), with TF32 on
 # (PyTorch's default), and with keras_duq's two remaining differences (zero
 # biases, the last partial batch kept).
@@ -7,10 +7,10 @@
 #   mkdir -p .duq_data/keras/datasets .duq_data/mnist
 #   cp -r ../shared/data/keras/datasets/fashion-mnist .duq_data/keras/datasets/
 #   cp ../shared/data/mnist/t10k-* .duq_data/mnist/
-# then: bash reproduction/pytorch/device_check.sh
-# (carry `.duq_data`). Runs go PARALLEL at a time (default 8) from a queue in
+# then: bash reproduction/pytorch/run_gpu_queue.sh
+# Runs go PARALLEL at a time (default 8) from a queue in
 # order of priority; no run starts in the last 120 s, and all stop at LIMIT_S
-# (default 480) with their finished epochs logged. Results land in $OUT (or
+# (default 480) with their finished epochs logged. Results land in $OUT (default
 # ./pytorch_gpu_out): gpu.txt, epochs.jsonl (every run's epochs) and logs.txt.
 set -u
 out=${OUT:-pytorch_gpu_out}

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# For a GPU machine with PyTorch (the device tool's image): as many full
+# For a GPU machine with PyTorch (CUDA) and numpy: as many full
 # 30-epoch runs as fit in TRAIN_S seconds (default 480), trained as one grouped
 # network (train_pytorch_grouped.py): half with the paper code's recipe, half
 # as keras_duq trains (zero biases, exact BCE gradient). Float32 (TF32 off).
 # Run from the repository root with the data in `.duq_data/` (see README.md).
 # It times 8, 16 and 32 models per step, picks the largest count whose 30
-# epochs fit, and trains it. Results land in $OUT (or ./pytorch_gpu_out):
+# epochs fit, and trains it. Results land in $OUT (default ./pytorch_gpu_out):
 # gpu.txt, timing.txt, epochs.jsonl, log.txt. The state stays in STATE_DIR
-# (default /tmp/duq_grouped_state), so a second call on the same warm machine
+# (default /tmp/duq_grouped_state), so running it again on the same machine
 # resumes the run (the model count is then read from STATE_DIR/models).
 set -u
 out=${OUT:-pytorch_gpu_out}
