@@ -47,12 +47,16 @@ def run_backend(backend: str, networks, quick: bool) -> dict:
         return {"skipped": f"not installed (`pip install {BACKENDS[backend]}`)"}
     env = dict(os.environ, KERAS_BACKEND=backend)
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(ROOT), env.get("PYTHONPATH")])
+    )
     with tempfile.TemporaryDirectory() as scratch:
         output = Path(scratch) / "speed.json"
         command = [sys.executable, "-m", "benchmarks.speed", "--output", str(output)]
         command += ["--networks", *networks] + (["--quick"] if quick else [])
-        process = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True)
+        process = subprocess.run(
+            command, env=env, cwd=ROOT, capture_output=True, text=True
+        )
         if process.returncode != 0:
             # The exception's last line says why (keras_duq names the
             # backends it trains on, for example).
@@ -72,18 +76,29 @@ def table(reports: dict) -> str:
         for network, result in report["networks"].items():
             train, predict = result["train_ms"], result["predict_ms"]
             for kind in TRAIN_KINDS:
-                rows.append((
-                    backend, network,
-                    f"train step, batch {result['batch_size']}: {LABELS[kind]}",
-                    f"{train[kind]:.2f}", f"{train[kind] / train['softmax']:.2f}",
-                ))
+                rows.append(
+                    (
+                        backend,
+                        network,
+                        f"train step, batch {result['batch_size']}: {LABELS[kind]}",
+                        f"{train[kind]:.2f}",
+                        f"{train[kind] / train['softmax']:.2f}",
+                    )
+                )
             for kind in PREDICT_KINDS:
-                rows.append((
-                    backend, network,
-                    f"inference, batch {result['predict_batch_size']}: {PREDICT_LABELS[kind]}",
-                    f"{predict[kind]:.2f}", f"{predict[kind] / predict['softmax']:.2f}",
-                ))
-    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
+                rows.append(
+                    (
+                        backend,
+                        network,
+                        f"inference, batch {result['predict_batch_size']}: "
+                        f"{PREDICT_LABELS[kind]}",
+                        f"{predict[kind]:.2f}",
+                        f"{predict[kind] / predict['softmax']:.2f}",
+                    )
+                )
+    widths = [
+        max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))
+    ]
     lines = [
         "  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip()
         for row in [header, tuple("-" * width for width in widths), *rows]
@@ -97,10 +112,18 @@ def main(argv=None) -> dict:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="\n".join(__doc__.splitlines()[1:]),
     )
-    parser.add_argument("--backends", nargs="+", choices=sorted(BACKENDS), default=list(BACKENDS))
-    parser.add_argument("--networks", nargs="+", choices=sorted(NETWORKS), default=sorted(NETWORKS))
-    parser.add_argument("--quick", action="store_true", help="A smoke run: few, short windows.")
-    parser.add_argument("--output", help="Also write every backend's report as JSON here.")
+    parser.add_argument(
+        "--backends", nargs="+", choices=sorted(BACKENDS), default=list(BACKENDS)
+    )
+    parser.add_argument(
+        "--networks", nargs="+", choices=sorted(NETWORKS), default=sorted(NETWORKS)
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="A smoke run: few, short windows."
+    )
+    parser.add_argument(
+        "--output", help="Also write every backend's report as JSON here."
+    )
     args = parser.parse_args(argv)
     reports = {}
     for backend in args.backends:
@@ -112,7 +135,8 @@ def main(argv=None) -> dict:
             machine = report["machine"]
             print(
                 f"{backend}: {machine['backend_version']}, Keras {machine['keras']}, "
-                f"{machine['processor']} ({machine['cpus']} CPUs), devices {machine['devices']}"
+                f"{machine['processor']} ({machine['cpus']} CPUs), "
+                f"devices {machine['devices']}"
             )
     if args.output:
         Path(args.output).write_text(json.dumps(reports, indent=1) + "\n")

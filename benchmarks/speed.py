@@ -76,7 +76,10 @@ def build(kind: str, network: str) -> keras.Model:
     optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
     if kind == "softmax":
         model = keras.Sequential(
-            [backbone, keras.layers.Dense(settings["num_classes"], activation="softmax")]
+            [
+                backbone,
+                keras.layers.Dense(settings["num_classes"], activation="softmax"),
+            ]
         )
         model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy")
         return model
@@ -91,7 +94,9 @@ def build(kind: str, network: str) -> keras.Model:
 def median_seconds(fn, warmup, windows, calls_per_window, min_window_s=0.5):
     """Median seconds per call of `fn` over timed windows, after warm-up."""
     return statistics.median(
-        interleaved_seconds({"fn": fn}, warmup, windows, calls_per_window, min_window_s)["fn"]
+        interleaved_seconds(
+            {"fn": fn}, warmup, windows, calls_per_window, min_window_s
+        )["fn"]
     )
 
 
@@ -135,14 +140,20 @@ def measure(network: str, quick: bool = False) -> dict:
     x_predict, _ = _batch(network, predict_batch_size, seed=1)
     models = {kind: build(kind, network) for kind in TRAIN_KINDS}
     train = interleaved_seconds(
-        {kind: (lambda m=model: m.train_on_batch(x, y)) for kind, model in models.items()},
+        {
+            kind: (lambda m=model: m.train_on_batch(x, y))
+            for kind, model in models.items()
+        },
         warmup=2 if quick else 5,
         windows=windows,
         calls_per_window=1 if quick else 5,
         min_window_s=min_window_s,
     )
     predict = interleaved_seconds(
-        {kind: (lambda m=models[kind]: m.predict_on_batch(x_predict)) for kind in PREDICT_KINDS},
+        {
+            kind: (lambda m=models[kind]: m.predict_on_batch(x_predict))
+            for kind in PREDICT_KINDS
+        },
         warmup=2 if quick else 5,
         windows=windows,
         calls_per_window=1 if quick else 5,
@@ -213,8 +224,12 @@ def run(networks, quick=False) -> dict:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--networks", nargs="+", choices=sorted(NETWORKS), default=sorted(NETWORKS))
-    parser.add_argument("--quick", action="store_true", help="A smoke run: few, short windows.")
+    parser.add_argument(
+        "--networks", nargs="+", choices=sorted(NETWORKS), default=sorted(NETWORKS)
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="A smoke run: few, short windows."
+    )
     parser.add_argument("--output", help="Write the results as JSON to this file.")
     args = parser.parse_args(argv)
     report = run(args.networks, args.quick)

@@ -1,6 +1,7 @@
 """
 Title: CIFAR-10 vs SVHN: DUQ on a ResNet with tensorflow-datasets
-Description: Train a DUQ ResNet on CIFAR-10 from a tf.data pipeline and flag street-view digits (SVHN) as out of distribution.
+Description: Train a DUQ ResNet on CIFAR-10 from a tf.data pipeline and flag
+street-view digits (SVHN) as out of distribution.
 
 The paper's headline image benchmark (Section 5.2): a classifier of CIFAR-10's
 ten object classes should be uncertain about SVHN's house numbers. This
@@ -20,7 +21,8 @@ Needs `pip install tensorflow-datasets "keras-duq[plots]"`; the pipeline uses
 TensorFlow's `tf.data`.
 """
 
-# ---------------------------------------------------------------- Setup
+# ----------------------------------------------------------------------
+# Setup
 
 import argparse
 import os
@@ -37,10 +39,14 @@ from keras_duq import evaluation, plots
 parser = argparse.ArgumentParser(description="DUQ on CIFAR-10, SVHN as OoD.")
 parser.add_argument("--epochs", type=int, default=30)
 parser.add_argument("--data-dir", default=None, help="tensorflow-datasets' data_dir.")
-parser.add_argument("--download", action="store_true", help="Let tfds download the data.")
+parser.add_argument(
+    "--download", action="store_true", help="Let tfds download the data."
+)
 parser.add_argument("--output-dir", default=os.path.join("outputs", "cifar10"))
 parser.add_argument(
-    "--quick", action="store_true", default=os.environ.get("KERAS_DUQ_SMOKE") == "1",
+    "--quick",
+    action="store_true",
+    default=os.environ.get("KERAS_DUQ_SMOKE") == "1",
     help="A smoke run: 1 epoch on 128 images, a tiny network.",
 )
 args = parser.parse_args()
@@ -48,7 +54,9 @@ epochs = 1 if args.quick else args.epochs
 batch_size = 32 if args.quick else 128
 keras.utils.set_random_seed(0)
 
-# ---------------------------------------------------------------- The data
+# ----------------------------------------------------------------------
+# The data
+#
 # Both sets are standardised with CIFAR-10's channel statistics: an OoD input
 # must be preprocessed exactly as the training data.
 
@@ -58,7 +66,11 @@ STD = np.array([0.2470, 0.2435, 0.2616], "float32")
 
 def load(name, split):
     return tfds.load(
-        name, split=split, as_supervised=True, data_dir=args.data_dir, download=args.download
+        name,
+        split=split,
+        as_supervised=True,
+        data_dir=args.data_dir,
+        download=args.download,
     )
 
 
@@ -73,7 +85,11 @@ def augment(image, label):
     return tf.image.random_flip_left_right(image), label
 
 
-train, test, ood = load("cifar10", "train"), load("cifar10", "test"), load("svhn_cropped", "test")
+train, test, ood = (
+    load("cifar10", "train"),
+    load("cifar10", "test"),
+    load("svhn_cropped", "test"),
+)
 if args.quick:
     train, test, ood = train.take(128), test.take(64), ood.take(64)
 autotune = tf.data.AUTOTUNE
@@ -86,7 +102,9 @@ train = (
 )
 test, ood = (data.map(normalize).batch(500).cache() for data in (test, ood))
 
-# ---------------------------------------------------------------- A ResNet backbone
+# ----------------------------------------------------------------------
+# A ResNet backbone
+#
 # Three stages of residual blocks, then global average pooling: the features.
 # Any Keras model that outputs `(batch, features)` works; the paper uses a
 # ResNet-18 (`python -m reproduction.cifar10` builds it).
@@ -94,12 +112,16 @@ test, ood = (data.map(normalize).batch(500).cache() for data in (test, ood))
 
 def residual_block(x, filters, stride):
     shortcut = x
-    x = keras.layers.Conv2D(filters, 3, strides=stride, padding="same", use_bias=False)(x)
+    x = keras.layers.Conv2D(filters, 3, strides=stride, padding="same", use_bias=False)(
+        x
+    )
     x = keras.layers.ReLU()(keras.layers.BatchNormalization()(x))
     x = keras.layers.Conv2D(filters, 3, padding="same", use_bias=False)(x)
     x = keras.layers.BatchNormalization()(x)
     if stride != 1 or shortcut.shape[-1] != filters:
-        shortcut = keras.layers.Conv2D(filters, 1, strides=stride, use_bias=False)(shortcut)
+        shortcut = keras.layers.Conv2D(filters, 1, strides=stride, use_bias=False)(
+            shortcut
+        )
         shortcut = keras.layers.BatchNormalization()(shortcut)
     return keras.layers.ReLU()(x + shortcut)
 
@@ -114,7 +136,9 @@ for stage, filters in enumerate(widths):
 features = keras.layers.GlobalAveragePooling2D()(x)
 backbone = keras.Model(inputs, features, name="resnet")
 
-# ---------------------------------------------------------------- DUQ
+# ----------------------------------------------------------------------
+# DUQ
+#
 # The paper's CIFAR-10 settings: length scale 0.1, centroid momentum 0.999 and
 # a gradient penalty of 0.5, chosen by the misclassification AUROC on
 # validation data. SGD with momentum; the learning rate drops by 5x after a
@@ -130,7 +154,9 @@ schedule = keras.optimizers.schedules.PiecewiseConstantDecay(
 model.compile(optimizer=keras.optimizers.SGD(schedule, momentum=0.9))
 model.fit(train, epochs=epochs, verbose=2)
 
-# ---------------------------------------------------------------- Uncertainty metrics
+# ----------------------------------------------------------------------
+# Uncertainty metrics
+#
 # The certainty is the largest kernel value. AUROC with SVHN as the positive
 # class: 1.0 separates the sets perfectly, 0.5 not at all. The paper reports
 # 93.2% accuracy and AUROC 0.927 for a ResNet-18 trained for 75 epochs.
@@ -143,21 +169,30 @@ correct = kernel_values.argmax(axis=1) == labels
 metrics = {
     "accuracy": float(correct.mean()),
     **evaluation.ood_metrics(in_certainty, ood_certainty),
-    "misclassification_auroc": evaluation.misclassification_auroc(in_certainty, correct),
+    "misclassification_auroc": evaluation.misclassification_auroc(
+        in_certainty, correct
+    ),
 }
 print(", ".join(f"{name} {value:.3f}" for name, value in metrics.items()))
 
-# ---------------------------------------------------------------- Figures
+# ----------------------------------------------------------------------
+# Figures
 
 os.makedirs(args.output_dir, exist_ok=True)
 figure, axes = plt.subplots(1, 2, figsize=(12, 4.5))
 plots.plot_certainty_histograms(
-    in_certainty, ood_certainty, in_label="CIFAR-10 (test)", ood_label="SVHN (test)",
+    in_certainty,
+    ood_certainty,
+    in_label="CIFAR-10 (test)",
+    ood_label="SVHN (test)",
     ax=axes[0],
 )
 plots.plot_rejection_curve(
-    in_certainty=in_certainty, in_correct=correct, ood_certainty=ood_certainty,
-    label="DUQ", ax=axes[1],
+    in_certainty=in_certainty,
+    in_correct=correct,
+    ood_certainty=ood_certainty,
+    label="DUQ",
+    ax=axes[1],
 )
 figure.tight_layout()
 path = os.path.join(args.output_dir, "cifar10_vs_svhn.png")
@@ -165,6 +200,8 @@ figure.savefig(path, dpi=100)
 plt.close(figure)
 print(f"wrote {path}")
 
-# ---------------------------------------------------------------- Next steps
+# ----------------------------------------------------------------------
+# Next steps
+#
 # The paper's ResNet-18, its two recipes, the baselines and resumable runs:
 # `python -m reproduction.cifar10 --help` (docs/cifar10.md).

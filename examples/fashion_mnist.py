@@ -1,14 +1,15 @@
 """
 Title: Out-of-distribution detection: FashionMNIST vs MNIST
-Description: Train a DUQ image classifier on FashionMNIST and measure how well its certainty flags MNIST digits.
+Description: Train a DUQ image classifier on FashionMNIST and measure how well
+its certainty flags MNIST digits.
 
 A classifier trained on clothes (FashionMNIST) should not be confident about
 handwritten digits (MNIST). This example trains the paper's CNN with a DUQ
 head on FashionMNIST, then scores both test sets by the model's certainty and
 measures how well that separates them: the paper's Section 4.2 benchmark.
 
-    python examples/fashion_mnist.py                       # 10 epochs, ~30 min on a laptop CPU
-    python examples/fashion_mnist.py --quick               # a smoke run (KERAS_DUQ_SMOKE=1 too)
+    python examples/fashion_mnist.py          # 10 epochs, ~30 min on a laptop CPU
+    python examples/fashion_mnist.py --quick  # a smoke run
 
 Data: FashionMNIST comes through `keras.datasets.fashion_mnist`, downloaded
 once into `$KERAS_HOME/datasets`; to run offline, set `KERAS_HOME` to a folder
@@ -18,7 +19,8 @@ through `keras.datasets.mnist`. Plots need matplotlib
 (`pip install "keras-duq[plots]"`).
 """
 
-# ---------------------------------------------------------------- Setup
+# ----------------------------------------------------------------------
+# Setup
 
 import argparse
 import os
@@ -35,14 +37,18 @@ parser.add_argument("--epochs", type=int, default=10)
 parser.add_argument("--mnist-path", default=os.environ.get("KERAS_DUQ_MNIST"))
 parser.add_argument("--output-dir", default=os.path.join("outputs", "fashion_mnist"))
 parser.add_argument(
-    "--quick", action="store_true", default=os.environ.get("KERAS_DUQ_SMOKE") == "1",
+    "--quick",
+    action="store_true",
+    default=os.environ.get("KERAS_DUQ_SMOKE") == "1",
     help="A smoke run: 1 epoch on 2,000 images (the numbers then mean little).",
 )
 args = parser.parse_args()
 epochs = 1 if args.quick else args.epochs
 keras.utils.set_random_seed(0)
 
-# ---------------------------------------------------------------- The data
+# ----------------------------------------------------------------------
+# The data
+#
 # Both sets are normalised with FashionMNIST's mean and standard deviation: at
 # test time nothing tells the model where an image comes from, so OoD images
 # must go through the same preprocessing as the training data.
@@ -55,7 +61,9 @@ if args.quick:
 x_train, x_test, x_ood = (datasets.normalize(x) for x in (x_train, x_test, x_ood))
 print(f"train {x_train.shape}, test {x_test.shape}, OoD (MNIST) {x_ood.shape}")
 
-# ---------------------------------------------------------------- The model
+# ----------------------------------------------------------------------
+# The model
+#
 # The paper's CNN: three 3x3 convolutions with BatchNormalization, ReLU and max
 # pooling, then a 256-unit feature layer. `keras_duq.wrap` adds the DUQ head
 # with the paper's settings: centroids of size 256, length scale 0.1, centroid
@@ -83,8 +91,12 @@ backbone = keras.Sequential(
     name="cnn",
 )
 model = keras_duq.wrap(
-    backbone, num_classes=10, centroid_dims=256, length_scale=0.1,
-    momentum=0.999, gradient_penalty=0.05,
+    backbone,
+    num_classes=10,
+    centroid_dims=256,
+    length_scale=0.1,
+    momentum=0.999,
+    gradient_penalty=0.05,
 )
 
 # SGD as in the paper: learning rate 0.05, divided by 5 after a third and after
@@ -96,7 +108,9 @@ schedule = keras.optimizers.schedules.PiecewiseConstantDecay(
 )
 model.compile(optimizer=keras.optimizers.SGD(schedule, momentum=0.9))
 
-# ---------------------------------------------------------------- Training
+# ----------------------------------------------------------------------
+# Training
+#
 # `fit` logs the full objective (`loss`), its binary cross-entropy (`bce`), the
 # unweighted gradient penalty and the accuracy. `OODEvaluation` adds the OoD
 # metrics to the logs at the end of training (and every `every_n_epochs`).
@@ -105,11 +119,17 @@ ood_callback = keras_duq.callbacks.OODEvaluation(
     in_distribution=(x_test, y_test), out_of_distribution=x_ood, every_n_epochs=5
 )
 history = model.fit(
-    x_train, y_train, batch_size=batch_size, epochs=epochs,
-    callbacks=[ood_callback], verbose=2,
+    x_train,
+    y_train,
+    batch_size=batch_size,
+    epochs=epochs,
+    callbacks=[ood_callback],
+    verbose=2,
 )
 
-# ---------------------------------------------------------------- Uncertainty metrics
+# ----------------------------------------------------------------------
+# Uncertainty metrics
+#
 # The certainty is the largest kernel value. With MNIST as the positive class,
 # the AUROC says how well the certainty separates the two test sets (1.0:
 # perfectly, 0.5: not at all). The misclassification AUROC says how well it
@@ -123,11 +143,15 @@ correct = kernel_values.argmax(axis=1) == y_test
 metrics = {
     "accuracy": float(correct.mean()),
     **evaluation.ood_metrics(in_certainty, ood_certainty),
-    "misclassification_auroc": evaluation.misclassification_auroc(in_certainty, correct),
+    "misclassification_auroc": evaluation.misclassification_auroc(
+        in_certainty, correct
+    ),
 }
 print(", ".join(f"{name} {value:.3f}" for name, value in metrics.items()))
 
-# ---------------------------------------------------------------- Figures
+# ----------------------------------------------------------------------
+# Figures
+#
 # Certainty histograms of both test sets, the ROC curve of telling them apart,
 # and the rejection curve: the accuracy on the images kept as more and more of
 # the least certain ones (FashionMNIST and MNIST mixed) are rejected.
@@ -135,13 +159,19 @@ print(", ".join(f"{name} {value:.3f}" for name, value in metrics.items()))
 os.makedirs(args.output_dir, exist_ok=True)
 figure, axes = plt.subplots(1, 3, figsize=(18, 4.5))
 plots.plot_certainty_histograms(
-    in_certainty, ood_certainty, in_label="FashionMNIST (test)",
-    ood_label="MNIST (test)", ax=axes[0],
+    in_certainty,
+    ood_certainty,
+    in_label="FashionMNIST (test)",
+    ood_label="MNIST (test)",
+    ax=axes[0],
 )
 plots.plot_roc_curve(in_certainty, ood_certainty, label="DUQ", ax=axes[1])
 plots.plot_rejection_curve(
-    in_certainty=in_certainty, in_correct=correct, ood_certainty=ood_certainty,
-    label="DUQ", ax=axes[2],
+    in_certainty=in_certainty,
+    in_correct=correct,
+    ood_certainty=ood_certainty,
+    label="DUQ",
+    ax=axes[2],
 )
 figure.tight_layout()
 path = os.path.join(args.output_dir, "fashion_mnist_vs_mnist.png")
@@ -149,7 +179,9 @@ figure.savefig(path, dpi=100)
 plt.close(figure)
 print(f"wrote {path}")
 
-# ---------------------------------------------------------------- Next steps
+# ----------------------------------------------------------------------
+# Next steps
+#
 # - The paper trains 30 epochs: its full recipe gave 92.2% accuracy and AUROC
 #   0.939 over 4 seeds (docs/reproducing_fashion_mnist.md).
 # - `model.save("duq.keras")` keeps everything, centroids included.

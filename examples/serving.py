@@ -1,6 +1,7 @@
 """
 Title: Serving a DUQ model with TensorFlow Serving
-Description: Export a trained DUQ model as a SavedModel, load it with TensorFlow alone and build a TF Serving REST request.
+Description: Export a trained DUQ model as a SavedModel, load it with
+TensorFlow alone and build a TF Serving REST request.
 
 A DUQ model answers two questions per input: which class, and how certain.
 `DUQModel.export` writes a TensorFlow SavedModel whose `serving_default`
@@ -13,10 +14,11 @@ of a TF Serving REST request.
     python examples/serving.py            # under a minute on a CPU
     python examples/serving.py --quick    # a smoke run (KERAS_DUQ_SMOKE=1 too)
 
-Needs the TensorFlow backend's SavedModel support (`pip install "keras-duq[tensorflow]"`).
+Needs TensorFlow for the SavedModel (`pip install "keras-duq[tensorflow]"`).
 """
 
-# ---------------------------------------------------------------- Setup
+# ----------------------------------------------------------------------
+# Setup
 
 import argparse
 import json
@@ -32,13 +34,17 @@ import keras_duq
 parser = argparse.ArgumentParser(description="Export a DUQ model for TF Serving.")
 parser.add_argument("--output-dir", default=os.path.join("outputs", "serving"))
 parser.add_argument(
-    "--quick", action="store_true", default=os.environ.get("KERAS_DUQ_SMOKE") == "1",
+    "--quick",
+    action="store_true",
+    default=os.environ.get("KERAS_DUQ_SMOKE") == "1",
     help="A smoke run: 1 epoch.",
 )
 args = parser.parse_args()
 keras.utils.set_random_seed(0)
 
-# ---------------------------------------------------------------- Train a small model
+# ----------------------------------------------------------------------
+# Train a small model
+#
 # Three Gaussian blobs in the plane, and a DUQ model on a small MLP. Any trained
 # DUQ model exports the same way.
 
@@ -48,20 +54,28 @@ y_train = rng.integers(0, 3, 3000)
 x_train = (centres[y_train] + 0.4 * rng.normal(size=(3000, 2))).astype("float32")
 
 backbone = keras.Sequential(
-    [keras.Input((2,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(16)]
+    [
+        keras.Input((2,)),
+        keras.layers.Dense(32, activation="relu"),
+        keras.layers.Dense(16),
+    ]
 )
 model = keras_duq.wrap(backbone, num_classes=3, length_scale=0.3, gradient_penalty=0.5)
 model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9))
 model.fit(x_train, y_train, batch_size=64, epochs=1 if args.quick else 10, verbose=0)
 
-# ---------------------------------------------------------------- Export
+# ----------------------------------------------------------------------
+# Export
+#
 # TF Serving loads numbered versions of a model: `<model folder>/<version>/`.
 
 export_dir = os.path.join(args.output_dir, "duq", "1")
 model.export(export_dir)
 print(f"exported to {export_dir}")
 
-# ---------------------------------------------------------------- Load it with TensorFlow alone
+# ----------------------------------------------------------------------
+# Load it with TensorFlow alone
+#
 # A fresh process that imports only TensorFlow (no Keras model code, no
 # keras_duq) loads the SavedModel and calls its signature by input name
 # (`inputs` for a single-input model).
@@ -77,18 +91,27 @@ print(json.dumps(any(name.startswith("keras_duq") for name in sys.modules)))
 """
 process = subprocess.run(
     [sys.executable, "-c", SERVE, export_dir, json.dumps(x.tolist())],
-    capture_output=True, text=True, check=True,
+    capture_output=True,
+    text=True,
+    check=True,
     env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
 )
 *_, output_line, imported_line = process.stdout.strip().splitlines()
 served = json.loads(output_line)
 keras_duq_imported = json.loads(imported_line)
-for row, prediction, certainty in zip(x.tolist(), served["predictions"], served["certainty"]):
+for row, prediction, certainty in zip(
+    x.tolist(), served["predictions"], served["certainty"]
+):
     print(f"input {row}: class {prediction}, certainty {certainty:.4f}")
 matches = np.allclose(served["kernel_values"], model.predict(x, verbose=0), atol=1e-5)
-print(f"keras_duq imported by the server: {keras_duq_imported}; same as predict: {matches}")
+print(
+    f"keras_duq imported by the server: {keras_duq_imported}; "
+    f"same as predict: {matches}"
+)
 
-# ---------------------------------------------------------------- A TF Serving REST request
+# ----------------------------------------------------------------------
+# A TF Serving REST request
+#
 # Serve the folder with TF Serving's Docker image:
 #
 #     docker run -p 8501:8501 -v "$PWD/outputs/serving/duq:/models/duq" \

@@ -1,6 +1,7 @@
 """
 Title: Knowing what you don't know on two moons
-Description: Train DUQ on scikit-learn's two moons and map its certainty, with and without the gradient penalty.
+Description: Train DUQ on scikit-learn's two moons and map its certainty, with
+and without the gradient penalty.
 
 DUQ (Deterministic Uncertainty Quantification, van Amersfoort et al., 2020)
 replaces a classifier's softmax with one RBF kernel per class, centred on a
@@ -12,13 +13,14 @@ This example trains DUQ on the two-moons toy problem with and without the
 gradient penalty, on two backbones, and draws the certainty over the plane
 (the paper's Figures 1 and 3). It runs in a few minutes on a laptop CPU:
 
-    python examples/two_moons.py                 # writes outputs/two_moons/certainty_maps.png
-    python examples/two_moons.py --quick         # a smoke run (KERAS_DUQ_SMOKE=1 too)
+    python examples/two_moons.py          # outputs/two_moons/certainty_maps.png
+    python examples/two_moons.py --quick  # a smoke run (KERAS_DUQ_SMOKE=1 too)
 
 Needs scikit-learn and matplotlib (`pip install "keras-duq[plots]" scikit-learn`).
 """
 
-# ---------------------------------------------------------------- Setup
+# ----------------------------------------------------------------------
+# Setup
 
 import argparse
 import os
@@ -35,14 +37,18 @@ parser = argparse.ArgumentParser(description="DUQ on two moons: certainty maps."
 parser.add_argument("--epochs", type=int, default=30)
 parser.add_argument("--output-dir", default=os.path.join("outputs", "two_moons"))
 parser.add_argument(
-    "--quick", action="store_true", default=os.environ.get("KERAS_DUQ_SMOKE") == "1",
+    "--quick",
+    action="store_true",
+    default=os.environ.get("KERAS_DUQ_SMOKE") == "1",
     help="A smoke run: 2 epochs on fewer points (the maps then mean little).",
 )
 args = parser.parse_args()
 epochs = 2 if args.quick else args.epochs
 keras.utils.set_random_seed(0)
 
-# ---------------------------------------------------------------- The data
+# ----------------------------------------------------------------------
+# The data
+#
 # Two interleaving half circles, plus "far" points: uniform over the plotted
 # area and more than 1.0 away from every training point. A good model is
 # certain on the moons and uncertain on the far points.
@@ -54,12 +60,19 @@ x_test, y_test = make_moons(500, noise=0.1, random_state=1)
 x_train, x_test = x_train.astype("float32"), x_test.astype("float32")
 
 rng = np.random.default_rng(0)
-candidates = np.stack([rng.uniform(*X_RANGE, 5000), rng.uniform(*Y_RANGE, 5000)], axis=1)
+candidates = np.stack(
+    [rng.uniform(*X_RANGE, 5000), rng.uniform(*Y_RANGE, 5000)], axis=1
+)
 distances = np.linalg.norm(candidates[:, None, :] - x_train[None, :, :], axis=-1)
 x_far = candidates[distances.min(axis=1) > 1.0].astype("float32")
-print(f"{len(x_train)} training points, {len(x_test)} test points, {len(x_far)} far points")
+print(
+    f"{len(x_train)} training points, {len(x_test)} test points, "
+    f"{len(x_far)} far points"
+)
 
-# ---------------------------------------------------------------- A distance-preserving backbone
+# ----------------------------------------------------------------------
+# A distance-preserving backbone
+#
 # The gradient penalty keeps the features sensitive to the input. A backbone
 # whose layers cannot shrink distances much helps further: far inputs then stay
 # far in feature space and cannot land on a centroid. Spectral normalisation
@@ -79,11 +92,18 @@ class SpectralNormalizedDense(keras.layers.Layer):
 
     def build(self, input_shape):
         self.kernel = self.add_weight(
-            shape=(input_shape[-1], self.units), initializer="glorot_uniform", name="kernel"
+            shape=(input_shape[-1], self.units),
+            initializer="glorot_uniform",
+            name="kernel",
         )
-        self.bias = self.add_weight(shape=(self.units,), initializer="zeros", name="bias")
+        self.bias = self.add_weight(
+            shape=(self.units,), initializer="zeros", name="bias"
+        )
         self.vector_u = self.add_weight(
-            shape=(1, self.units), initializer="random_normal", trainable=False, name="vector_u"
+            shape=(1, self.units),
+            initializer="random_normal",
+            trainable=False,
+            name="vector_u",
         )
 
     def call(self, inputs, training=False):
@@ -101,7 +121,11 @@ class SpectralNormalizedDense(keras.layers.Layer):
         return ops.matmul(inputs, kernel) + self.bias
 
     def get_config(self):
-        return {**super().get_config(), "units": self.units, "coefficient": self.coefficient}
+        return {
+            **super().get_config(),
+            "units": self.units,
+            "coefficient": self.coefficient,
+        }
 
 
 def residual_sn_backbone():
@@ -127,7 +151,9 @@ def plain_mlp_backbone():
     )
 
 
-# ---------------------------------------------------------------- DUQ, with and without the penalty
+# ----------------------------------------------------------------------
+# DUQ, with and without the penalty
+#
 # `keras_duq.wrap` puts the DUQ head on any backbone that outputs
 # `(batch, features)`. The settings are the paper's for two moons: centroids of
 # size 10, length scale 0.3, centroid momentum 0.99, penalty weight 1.0. The
@@ -155,7 +181,9 @@ models = {
     "plain MLP, no penalty": train(plain_mlp_backbone(), 0.0),
 }
 
-# ---------------------------------------------------------------- Certainty near and far from the data
+# ----------------------------------------------------------------------
+# Certainty near and far from the data
+#
 # `predict` returns the kernel values, `(batch, 2)` in [0, 1]: the prediction
 # is their argmax and the certainty their max. Separating the test points from
 # the far points by certainty is an out-of-distribution (OoD) detection task:
@@ -166,19 +194,22 @@ for name, model in models.items():
     test_kernels = model.predict(x_test, batch_size=1000, verbose=0)
     test_certainty = test_kernels.max(axis=1)
     far_certainty = model.predict(x_far, batch_size=1000, verbose=0).max(axis=1)
-    results[name] = {
+    ood = keras_duq.evaluation.ood_metrics(test_certainty, far_certainty)
+    results[name] = result = {
         "test_accuracy": float((test_kernels.argmax(axis=1) == y_test).mean()),
         "test_certainty": float(test_certainty.mean()),
         "far_certainty": float(far_certainty.mean()),
-        "auroc": keras_duq.evaluation.ood_metrics(test_certainty, far_certainty)["auroc"],
+        "auroc": ood["auroc"],
     }
     print(
-        f"{name}: test accuracy {results[name]['test_accuracy']:.3f}, mean certainty "
-        f"{results[name]['test_certainty']:.3f} on the moons and "
-        f"{results[name]['far_certainty']:.3f} far from them, AUROC {results[name]['auroc']:.3f}"
+        f"{name}: test accuracy {result['test_accuracy']:.3f}, mean certainty "
+        f"{result['test_certainty']:.3f} on the moons and "
+        f"{result['far_certainty']:.3f} far from them, AUROC {result['auroc']:.3f}"
     )
 
-# ---------------------------------------------------------------- Certainty maps
+# ----------------------------------------------------------------------
+# Certainty maps
+#
 # Yellow is certain, dark blue uncertain. On the spectrally normalised
 # backbone the certain region hugs the moons, with the penalty and (on most
 # seeds) without it. The plain MLP without the penalty maps whole regions far
@@ -189,8 +220,14 @@ os.makedirs(args.output_dir, exist_ok=True)
 figure, axes = plt.subplots(1, 3, figsize=(18, 4.5))
 for ax, (name, model) in zip(axes, models.items()):
     keras_duq.plots.plot_certainty_map(
-        model, x_train, y_train, X_RANGE, Y_RANGE,
-        resolution=60 if args.quick else 200, title=name, ax=ax,
+        model,
+        x_train,
+        y_train,
+        X_RANGE,
+        Y_RANGE,
+        resolution=60 if args.quick else 200,
+        title=name,
+        ax=ax,
     )
 figure.tight_layout()
 path = os.path.join(args.output_dir, "certainty_maps.png")
@@ -198,7 +235,9 @@ figure.savefig(path, dpi=100)
 plt.close(figure)
 print(f"wrote {path}")
 
-# ---------------------------------------------------------------- Next steps
+# ----------------------------------------------------------------------
+# Next steps
+#
 # - `model.save("duq.keras")` saves the model, centroids included.
 # - The paper's three-layer MLP, seed sweeps and the results reported in
 #   docs/two_moons.md: `python -m reproduction.two_moons --help`.

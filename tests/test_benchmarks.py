@@ -1,4 +1,7 @@
-"""`python -m benchmarks --quick` measures and prints the speed table (TensorFlow only)."""
+"""`python -m benchmarks --quick` measures and prints the speed table.
+
+On the TensorFlow backend only, the two-moons network only: a smoke run.
+"""
 
 import json
 import subprocess
@@ -12,10 +15,21 @@ def test_quick_run_prints_the_table_and_writes_json(tmp_path):
     output = tmp_path / "speed.json"
     process = subprocess.run(
         [
-            sys.executable, "-m", "benchmarks", "--quick", "--backends", "tensorflow",
-            "--networks", "two_moons_mlp", "--output", str(output),
+            sys.executable,
+            "-m",
+            "benchmarks",
+            "--quick",
+            "--backends",
+            "tensorflow",
+            "--networks",
+            "two_moons_mlp",
+            "--output",
+            str(output),
         ],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert process.returncode == 0, process.stderr[-2000:]
     lines = process.stdout.splitlines()

@@ -28,11 +28,15 @@ def test_examples_are_short_and_import_no_other_example():
         assert len(text.splitlines()) <= 300, path.name
         for other in EXAMPLES.glob("*.py"):
             assert f"import {other.stem}" not in text, (path.name, other.stem)
-        assert "sys.path" not in text and "spec_from_file_location" not in text, path.name
+        assert "sys.path" not in text and "spec_from_file_location" not in text, (
+            path.name
+        )
 
 
 def test_two_moons(tmp_path, monkeypatch):
-    result = run_example("two_moons.py", ["--quick", "--output-dir", str(tmp_path)], monkeypatch)
+    result = run_example(
+        "two_moons.py", ["--quick", "--output-dir", str(tmp_path)], monkeypatch
+    )
     assert len(result["models"]) == 3
     for metrics in result["results"].values():
         assert 0.0 <= metrics["far_certainty"] <= 1.0 and 0.0 <= metrics["auroc"] <= 1.0
@@ -42,7 +46,12 @@ def test_two_moons(tmp_path, monkeypatch):
 def test_fashion_mnist(tmp_path, monkeypatch, keras_home, mnist_dir):
     argv = ["--quick", "--mnist-path", str(mnist_dir), "--output-dir", str(tmp_path)]
     result = run_example("fashion_mnist.py", argv, monkeypatch)
-    assert set(result["metrics"]) >= {"accuracy", "auroc", "aupr", "misclassification_auroc"}
+    assert set(result["metrics"]) >= {
+        "accuracy",
+        "auroc",
+        "aupr",
+        "misclassification_auroc",
+    }
     assert "ood_auroc" in result["history"].history
     assert (tmp_path / "fashion_mnist_vs_mnist.png").stat().st_size > 10_000
 
@@ -57,7 +66,9 @@ def test_bring_your_own_backbone(monkeypatch, keras_home, mnist_dir):
 
 
 def test_serving(tmp_path, monkeypatch):
-    result = run_example("serving.py", ["--quick", "--output-dir", str(tmp_path)], monkeypatch)
+    result = run_example(
+        "serving.py", ["--quick", "--output-dir", str(tmp_path)], monkeypatch
+    )
     assert result["matches"] and result["keras_duq_imported"] is False
     assert (tmp_path / "duq" / "1" / "saved_model.pb").exists()
     body = json.loads((tmp_path / "request.json").read_text())
@@ -68,7 +79,13 @@ def test_cifar10_under_mock_data(tmp_path, monkeypatch):
     # No CIFAR-10 or SVHN here: tfds serves random images with the data sets'
     # shapes and dtypes, and fails any attempt to download.
     tfds = pytest.importorskip("tensorflow_datasets")
-    argv = ["--quick", "--data-dir", str(tmp_path / "tfds"), "--output-dir", str(tmp_path)]
+    argv = [
+        "--quick",
+        "--data-dir",
+        str(tmp_path / "tfds"),
+        "--output-dir",
+        str(tmp_path),
+    ]
     with tfds.testing.mock_data(num_examples=128):
         result = run_example("cifar10.py", argv, monkeypatch)
     assert len(result["labels"]) == 64 and len(result["ood_certainty"]) == 64
