@@ -34,7 +34,7 @@ from pathlib import Path
 import keras
 import tensorflow as tf
 
-import benchmark_speed as speed
+from reproduction.studies import benchmark_speed as speed
 
 ROOT = Path(__file__).resolve().parents[2]
 TASK = "fashion_mnist_cnn"
