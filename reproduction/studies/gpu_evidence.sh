@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# keras_duq's GPU measurements on the JAX backend, in one script.
+#
+# Written for a GPU machine that has JAX (CUDA), scikit-learn and matplotlib
+# but no TensorFlow or Keras, and no network. Prepare, once, on a machine with
+# network, in the repository root, and copy both folders along with the
+# repository (git ignores them):
+#
+#   echo /.whl/ >> .git/info/exclude; echo /.gpu_data/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#       --implementation cp --platform manylinux_2_28_x86_64 \
+#       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#       -d .whl keras==3.15.1 namex optree
+#   mkdir -p .gpu_data/fashion-mnist .gpu_data/mnist
+#   cp ../shared/data/keras/datasets/fashion-mnist/*.gz .gpu_data/fashion-mnist/
+#   cp ../shared/data/mnist/t10k-*.gz .gpu_data/mnist/
+#
+# Then, on the GPU machine, from the repository root:
+#
+#   BUDGET=560 bash reproduction/studies/gpu_evidence.sh speed default fm
+#
+# Parts, run in the order given:
+#
+#   speed     ms/step through `fit` and predict time (reproduction/studies/jax_speed.py):
+#             the paper's FashionMNIST CNN, then the CIFAR ResNet-18; softmax /
+#             DUQ / DUQ with the penalty; float32 with matmul precision
+#             "highest" (no TF32) and mixed_bfloat16. At most SPEED_S seconds
+#             (default 240); the JSON keeps every model measured before that.
+#             SPEED_NETWORKS and SPEED_POLICIES pick a part of the table (e.g.
+#             "cifar_resnet18" and "mixed_bfloat16").
+#   default   the CNN again at JAX's default precision (TF32 allowed), at most
+#             60 seconds.
+#   fm        reproduction/fashion_mnist.py, the paper's recipe (30 epochs), for
+#             every seed in SEEDS (default "0 1") and policy in FM_POLICIES
+#             (default float32 ("highest") and mixed_bfloat16), all in
+#             parallel on the one GPU (their times are not step timings). Each
+#             run logs every epoch, so a run stopped by BUDGET still shows
+#             how far it got.
+#
+# BUDGET (seconds, default 3600) bounds the whole script: each part stops at
+# the budget. Everything goes to $OUT: run.log (the
+# GPU, then every part's output, fm's lines prefixed by run), jax_speed_*.json
+# and fm_<policy>_seed<S>.json.
+# SMOKE=1 shrinks every part to a few steps and leaves the ResNet out (a
+# check on a CPU before using the GPU).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT="${OUT:-/tmp/gpu_evidence_out}"
+SEEDS="${SEEDS:-0 1}"
+FM_POLICIES="${FM_POLICIES:-float32 mixed_bfloat16}"
+BUDGET="${BUDGET:-3600}"
+SPEED_S="${SPEED_S:-240}"
+mkdir -p "$OUT"
+log="$OUT/run.log"
+export KERAS_BACKEND=jax PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+        --upgrade --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+data=.gpu_data
+[ -d "$data" ] || data=../shared/data/keras/datasets  # a local CPU check
+mnist=.gpu_data/mnist
+[ -d "$mnist" ] || mnist=../shared/data/mnist
+
+{
+    nvidia-smi 2>/dev/null || echo "no nvidia-smi"
+    nproc
+    python3 -c "import jax, keras; print('jax', jax.__version__, jax.devices()); print('keras', keras.__version__)"
+} 2>&1 | tee "$log"
+
+read -r -a networks <<< "${SPEED_NETWORKS:-fashion_mnist_cnn cifar_resnet18}"
+read -r -a policies <<< "${SPEED_POLICIES:-float32 mixed_bfloat16}"
+speed_args=()
+fm_args=()
+if [ "${SMOKE:-0}" = 1 ]; then
+    networks=(fashion_mnist_cnn)  # the ResNet's penalty step takes minutes on a CPU
+    speed_args=(--steps 2 --repeats 1)
+    fm_args=(--epochs 1 --train-subset 512 --test-subset 512 --ood-eval-every 1)
+fi
+
+left() {  # seconds of the budget left, less $1
+    echo $(( BUDGET - SECONDS - $1 > 1 ? BUDGET - SECONDS - $1 : 1 ))
+}
+
+for part in "$@"; do
+    echo "== $part at ${SECONDS}s" | tee -a "$log"
+    case "$part" in
+        speed)
+            limit=$(left 5); [ "$limit" -gt "$SPEED_S" ] && limit=$SPEED_S
+            timeout "$limit" python3 -m reproduction.studies.jax_speed --networks "${networks[@]}" \
+                --policies "${policies[@]}" --matmul-precision highest --output "$OUT/jax_speed_highest.json" \
+                "${speed_args[@]}" 2>&1 | tee -a "$log"
+            ;;
+        default)
+            limit=$(left 5); [ "$limit" -gt 60 ] && limit=60
+            timeout "$limit" python3 -m reproduction.studies.jax_speed --matmul-precision default \
+                --output "$OUT/jax_speed_default.json" "${speed_args[@]}" 2>&1 | tee -a "$log"
+            ;;
+        fm)
+            # Several processes share the GPU: no process may take most of its memory.
+            export XLA_PYTHON_CLIENT_PREALLOCATE=false
+            limit=$(left 10)
+            for seed in $SEEDS; do
+                for policy in $FM_POLICIES; do
+                    name="fm_${policy#mixed_}_seed$seed"
+                    mp=$policy; [ "$policy" = float32 ] && mp=none
+                    (
+                        JAX_DEFAULT_MATMUL_PRECISION=highest timeout "$limit" \
+                            python3 -m reproduction.fashion_mnist --seed "$seed" \
+                            --mixed-precision "$mp" --fashion-mnist-path "$data/fashion-mnist" \
+                            --mnist-path "$mnist" --output-dir "/tmp/$name" "${fm_args[@]}" 2>&1 \
+                            | sed -u "s/^/[$name] /" >> "$log"
+                        cp "/tmp/$name/results.json" "$OUT/$name.json"
+                    ) &
+                done
+            done
+            wait
+            ;;
+        *) echo "unknown part '$part'; expected speed, default or fm" >&2; exit 2 ;;
+    esac
+done
+echo "== done at ${SECONDS}s" | tee -a "$log"

@@ -1,0 +1,52 @@
+"""`python -m benchmarks --quick` measures and prints the speed table.
+
+On the TensorFlow backend only, the two-moons network only: a smoke run.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_quick_run_prints_the_table_and_writes_json(tmp_path):
+    output = tmp_path / "speed.json"
+    process = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks",
+            "--quick",
+            "--backends",
+            "tensorflow",
+            "--networks",
+            "two_moons_mlp",
+            "--output",
+            str(output),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert process.returncode == 0, process.stderr[-2000:]
+    lines = process.stdout.splitlines()
+    rows = [line for line in lines if line.startswith("tensorflow  two_moons_mlp")]
+    # Three training steps and two inference batches, softmax first in each.
+    assert len(rows) == 5, process.stdout
+    assert rows[0].endswith(" 1.00") and rows[3].endswith(" 1.00"), process.stdout
+    report = json.loads(output.read_text())["tensorflow"]
+    result = report["networks"]["two_moons_mlp"]
+    assert set(result["train_ms"]) == {"softmax", "duq", "duq_penalty"}
+    assert set(result["predict_ms"]) == {"softmax", "duq"}
+    assert all(value > 0 for value in result["train_ms"].values())
+    assert report["machine"]["backend"] == "tensorflow"
+
+
+def test_a_missing_backend_is_skipped_with_the_reason():
+    from benchmarks.__main__ import table
+
+    text = table({"torch": {"skipped": "not installed (`pip install torch`)"}})
+    assert "torch skipped: not installed" in text

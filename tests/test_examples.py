@@ -1,0 +1,93 @@
+"""Every tutorial in examples/ runs start to finish in its `--quick` mode.
+
+The quick runs train for a step or an epoch on a few hundred examples, so
+their metrics mean nothing: the tests check that each tutorial runs, computes
+what it teaches and writes its outputs, not how well it learns (the
+reproduction/ tests and docs cover that).
+"""
+
+import json
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def run_example(name, argv, monkeypatch):
+    """Runs `examples/<name>` as `python examples/<name> *argv`; returns its globals."""
+    monkeypatch.setattr(sys, "argv", [name, *argv])
+    return runpy.run_path(str(EXAMPLES / name), run_name="__main__")
+
+
+def test_examples_are_short_and_import_no_other_example():
+    for path in EXAMPLES.glob("*.py"):
+        text = path.read_text()
+        assert len(text.splitlines()) <= 300, path.name
+        for other in EXAMPLES.glob("*.py"):
+            assert f"import {other.stem}" not in text, (path.name, other.stem)
+        assert "sys.path" not in text and "spec_from_file_location" not in text, (
+            path.name
+        )
+
+
+def test_two_moons(tmp_path, monkeypatch):
+    result = run_example(
+        "two_moons.py", ["--quick", "--output-dir", str(tmp_path)], monkeypatch
+    )
+    assert len(result["models"]) == 3
+    for metrics in result["results"].values():
+        assert 0.0 <= metrics["far_certainty"] <= 1.0 and 0.0 <= metrics["auroc"] <= 1.0
+    assert (tmp_path / "certainty_maps.png").stat().st_size > 10_000
+
+
+def test_fashion_mnist(tmp_path, monkeypatch, keras_home, mnist_dir):
+    argv = ["--quick", "--mnist-path", str(mnist_dir), "--output-dir", str(tmp_path)]
+    result = run_example("fashion_mnist.py", argv, monkeypatch)
+    assert set(result["metrics"]) >= {
+        "accuracy",
+        "auroc",
+        "aupr",
+        "misclassification_auroc",
+    }
+    assert "ood_auroc" in result["history"].history
+    assert (tmp_path / "fashion_mnist_vs_mnist.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_bring_your_own_backbone(monkeypatch, keras_home, mnist_dir):
+    argv = ["--quick", "--mnist-path", str(mnist_dir)]
+    result = run_example("bring_your_own_backbone.py", argv, monkeypatch)
+    assert result["same"]  # the reloaded .keras model predicts as the trained one
+    assert 0.0 <= result["threshold"] <= 1.0
+    assert result["model"].duq_output.centroids.shape == (256, 10)
+
+
+def test_serving(tmp_path, monkeypatch):
+    result = run_example(
+        "serving.py", ["--quick", "--output-dir", str(tmp_path)], monkeypatch
+    )
+    assert result["matches"] and result["keras_duq_imported"] is False
+    assert (tmp_path / "duq" / "1" / "saved_model.pb").exists()
+    body = json.loads((tmp_path / "request.json").read_text())
+    assert body == {"instances": result["x"].tolist()}
+
+
+def test_cifar10_under_mock_data(tmp_path, monkeypatch):
+    # No CIFAR-10 or SVHN here: tfds serves random images with the data sets'
+    # shapes and dtypes, and fails any attempt to download.
+    tfds = pytest.importorskip("tensorflow_datasets")
+    argv = [
+        "--quick",
+        "--data-dir",
+        str(tmp_path / "tfds"),
+        "--output-dir",
+        str(tmp_path),
+    ]
+    with tfds.testing.mock_data(num_examples=128):
+        result = run_example("cifar10.py", argv, monkeypatch)
+    assert len(result["labels"]) == 64 and len(result["ood_certainty"]) == 64
+    assert 0.0 <= result["metrics"]["auroc"] <= 1.0
+    assert (tmp_path / "cifar10_vs_svhn.png").stat().st_size > 10_000
