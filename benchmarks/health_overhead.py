@@ -16,7 +16,7 @@ FashionMNIST epoch (469 steps of 128). On a busy machine the pair ratios
 scatter; the per-step metric updates are therefore also timed alone, as a
 compiled function on tensors of the step's shapes.
 
-    python benchmarks/health_overhead.py --output benchmarks/health_overhead.json
+    python -m benchmarks.health_overhead --output benchmarks/health_overhead.json
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ def main(argv=None):
         "checks_alone_per_fashion_mnist_epoch": round(
             metric_update / without + per_epoch, 5
         ),
-        "command": " ".join(["python benchmarks/health_overhead.py"] + (argv or sys.argv[1:])),
+        "command": " ".join(["python -m benchmarks.health_overhead"] + (argv or sys.argv[1:])),
     }
     text = json.dumps(report, indent=1)
     if args.output:

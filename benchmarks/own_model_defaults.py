@@ -15,7 +15,7 @@ Heads:
 Example:
 
 ```bash
-KERAS_HOME=../shared/data/keras python benchmarks/own_model_defaults.py \
+KERAS_HOME=../shared/data/keras python -m benchmarks.own_model_defaults \
     --backbone quickstart --head duq --epochs 3 --seed 0 \
     --mnist-path ../shared/data/mnist --output own_model.jsonl
 ```

@@ -10,7 +10,7 @@ for machines without network (the same images). The block must leave
 Example:
 
 ```bash
-KERAS_HOME=../shared/data/keras python benchmarks/readme_quickstart.py \
+KERAS_HOME=../shared/data/keras python -m benchmarks.readme_quickstart \
     --seeds 0 1 2 --mnist-path ../shared/data/mnist --output quickstart.json
 ```
 """

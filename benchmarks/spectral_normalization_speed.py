@@ -9,13 +9,12 @@ load; the report gives each model's mean step time, as wall time and as
 this process's CPU time (less sensitive to other work on a shared machine),
 and the ratios.
 
-    python benchmarks/spectral_normalization_speed.py --output benchmarks/spectral_normalization_speed.json
+    python -m benchmarks.spectral_normalization_speed --output benchmarks/spectral_normalization_speed.json
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -24,7 +23,8 @@ from pathlib import Path
 
 import keras
 import numpy as np
-from cifar10_speed import cpu_model
+from reproduction import fashion_mnist
+from reproduction.studies.cifar10_speed import cpu_model
 
 import keras_duq
 
@@ -33,13 +33,8 @@ BATCH_SIZE = 128
 
 
 def paper_backbone():
-    """The paper's FashionMNIST CNN, from examples/fashion_mnist.py."""
-    spec = importlib.util.spec_from_file_location(
-        "fashion_mnist", ROOT / "examples" / "fashion_mnist.py"
-    )
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    return example.build_backbone()
+    """The paper's FashionMNIST CNN, from the reproduction harness."""
+    return fashion_mnist.build_backbone()
 
 
 def build(spectral, coefficient):

@@ -3,16 +3,16 @@
 For each seed: 5000 random training images are held out as validation data
 (the paper's split); the search chooses the length scale and the gradient
 penalty on them with the paper's CNN, head and optimizer (SGD 0.05,
-momentum 0.9, batch 128), 5 epochs per trial; then examples/fashion_mnist.py
+momentum 0.9, batch 128), 5 epochs per trial; then reproduction/fashion_mnist.py
 trains with the chosen values on the other 55,000 images (30 epochs, the
 paper's schedule) and reports test accuracy and AUROC against MNIST's test
 set. The paper's values: length scale 0.1, penalty 0.05. Writes
 benchmarks/tuning_fashion_mnist.json.
 
-    KERAS_HOME=../shared/data/keras python benchmarks/tuning_fashion_mnist.py \\
+    KERAS_HOME=../shared/data/keras python -m benchmarks.tuning_fashion_mnist \\
         --mnist-path ../shared/data/mnist
     # smoke run (minutes)
-    python benchmarks/tuning_fashion_mnist.py --mnist-path ../shared/data/mnist \\
+    python -m benchmarks.tuning_fashion_mnist --mnist-path ../shared/data/mnist \\
         --seeds 0 --train-subset 1000 --test-subset 500 --epochs-per-trial 1 \\
         --final-epochs 1 --max-trials 2 --output /tmp/tuning_smoke.json
 """
@@ -20,7 +20,6 @@ benchmarks/tuning_fashion_mnist.json.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -32,11 +31,7 @@ import keras
 import keras_duq
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location(
-    "fashion_mnist", ROOT / "examples" / "fashion_mnist.py"
-)
-fashion_mnist = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(fashion_mnist)
+from reproduction import fashion_mnist  # noqa: E402
 
 PAPER = {"length_scale": 0.1, "gradient_penalty": 0.05}
 NUM_VALIDATION = 5000

@@ -9,15 +9,14 @@ exactly as the demo trains (30 epochs) and checked against the demo's bar
 far >= 0.99), beside the demo itself with the paper's values (length scale
 0.3, penalty 1.0). Writes benchmarks/tuning_two_moons.json.
 
-    python benchmarks/tuning_two_moons.py                     # seeds 0 1 2
-    python benchmarks/tuning_two_moons.py --backbone paper    # the paper's MLP
-    python benchmarks/tuning_two_moons.py --seeds 0 --epochs-per-trial 5
+    python -m benchmarks.tuning_two_moons                     # seeds 0 1 2
+    python -m benchmarks.tuning_two_moons --backbone paper    # the paper's MLP
+    python -m benchmarks.tuning_two_moons --seeds 0 --epochs-per-trial 5
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import platform
 import subprocess
@@ -32,9 +31,7 @@ from sklearn.datasets import make_moons
 import keras_duq
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("two_moons", ROOT / "examples" / "two_moons.py")
-two_moons = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(two_moons)
+from reproduction import two_moons  # noqa: E402
 
 PAPER = {"length_scale": 0.3, "gradient_penalty": 1.0}
 

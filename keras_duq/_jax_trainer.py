@@ -183,7 +183,7 @@ def make_function(model, make, force):
     error every later step is a no-op: the state a later call returns is
     still the one the failed step received. The last call's code is read by
     `check_pending_errors`, which `DUQModel.jax_state_sync` calls at the end
-    of every epoch and evaluation. `benchmarks/jax_error_check.py` measures
+    of every epoch and evaluation. `reproduction/studies/jax_error_check.py` measures
     the difference.
     """
     make(force)

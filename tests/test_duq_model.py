@@ -336,7 +336,7 @@ def _rows(dataset, index):
 
 def test_arrays_reach_fit_as_keras_batches_without_autotuning():
     # With autotuning on, a whole `fit` on arrays took up to twice its steps'
-    # time (benchmarks/fit_overhead.py); the batches must stay Keras's own.
+    # time (reproduction/studies/fit_overhead.py); the batches must stay Keras's own.
     model = _compiled()
     x, y = _data(n=70)
     arguments = _fit_arguments(model, x, y, 32, validation_split=0.2)

@@ -17,7 +17,6 @@ import keras_duq
 from keras_duq import _health
 from keras_duq.callbacks import HealthCheck
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 # Enough steps for `fit` to check (see `HealthCheck`).
 STEPS = _health.WARMUP_STEPS
 
@@ -214,11 +213,8 @@ def test_collapsed_features_warn_about_overlapping_centroids_and_a_constant_pena
 
 
 def test_healthy_two_moons_model_gives_no_health_warning():
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        import two_moons
-    finally:
-        sys.path.remove(str(EXAMPLES))
+    from reproduction import two_moons
+
     keras.utils.set_random_seed(0)
     (x, y), (x_test, y_test), _ = two_moons.make_data(seed=0)
     model = two_moons.build_model()

@@ -104,10 +104,9 @@ def test_fashion_mnist_example_runs_without_tensorflow(tmp_path, mnist_dir, fash
     # The GPU machine has JAX but no TensorFlow: the example's data pipeline
     # (`make_dataset`) and OoD callback must work without it.
     out = _run(f"""
-        import runpy
+        from reproduction import fashion_mnist
         pipeline = type(keras_duq.datasets.make_dataset(np.zeros((4, 2)), batch_size=2))
-        example = runpy.run_path({str(EXAMPLES / "fashion_mnist.py")!r})
-        results = example["main"]([
+        results = fashion_mnist.main([
             "--epochs", "2", "--batch-size", "64", "--train-subset", "256",
             "--test-subset", "256", "--ood-eval-every", "1", "--verbose", "0",
             "--mnist-path", {str(mnist_dir)!r},
