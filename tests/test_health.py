@@ -6,7 +6,6 @@ import subprocess
 import sys
 import textwrap
 import warnings
-from pathlib import Path
 
 import keras
 import numpy as np
