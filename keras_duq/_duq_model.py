@@ -401,8 +401,8 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
             verbose: whether to print Keras's summary of the export
                 (hundreds of lines for a large backbone). Defaults to
                 `False`.
-            input_signature: optional structure of `tf.TensorSpec` for the
-                inputs; defaults to the model's inputs with a free batch
+            input_signature: optional structure of `tf.TensorSpec` (or
+                `keras.InputSpec`) for the inputs; defaults to the model's inputs with a free batch
                 size and the names above.
             certainty_threshold: optional float in `[0, 1]`; adds the
                 `accept` output. Choose it on in-distribution validation

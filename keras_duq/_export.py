@@ -152,6 +152,13 @@ def export_saved_model(
 
     if input_signature is None:
         input_signature = [serving_input_signature(model.feature_extractor.input)]
+    else:  # `keras.InputSpec`s too, as Keras's own export takes them.
+        input_signature = tf.nest.map_structure(
+            lambda spec: spec
+            if isinstance(spec, tf.TensorSpec)
+            else tf.TensorSpec(spec.shape, spec.dtype, name=getattr(spec, "name", None)),
+            input_signature,
+        )
 
     def outputs_fn(inputs):
         return serving_outputs(model, inputs, certainty_threshold, calibrator)

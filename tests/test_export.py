@@ -174,6 +174,13 @@ def test_export_signature_shapes_and_quiet_export(tmp_path, capfd):
     assert "inputs['inputs']" in serving
     assert "shape: (-1, 4)" in serving and "shape: (-1, 3)" in serving
 
+    import tensorflow as tf
+
+    own = str(tmp_path / "own_signature")
+    model.export(own, input_signature=[keras.InputSpec(shape=(None, 4), dtype="float32", name="features")])
+    serve = tf.saved_model.load(own).signatures["serving_default"]
+    assert list(serve.structured_input_signature[1]) == ["features"]
+
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="runs the JAX export in a subprocess")
 def test_export_from_jax():
