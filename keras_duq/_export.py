@@ -9,7 +9,9 @@ no int64 for `predictions`.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
 
 import keras
 from keras import ops
@@ -187,8 +189,11 @@ def export_saved_model(
     archive.add_endpoint("serve", serve)
     if "verbose" in inspect.signature(archive.write_out).parameters:
         archive.write_out(filepath, verbose=bool(verbose))
-    else:  # Keras < 3.6 prints nothing and takes no `verbose`.
+    elif verbose:
         archive.write_out(filepath)
+    else:  # Keras < 3.6 takes no `verbose` and always prints the summary.
+        with contextlib.redirect_stdout(io.StringIO()):
+            archive.write_out(filepath)
 
 
 def serving_input_signature(inputs, spec_type: str = "tf"):
