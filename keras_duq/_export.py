@@ -32,10 +32,12 @@ _TORCH_MESSAGE = (
     "`DUQModel.export(format='tf_saved_model')` is not supported on the "
     "PyTorch backend: Keras exports a PyTorch model to a SavedModel only "
     "through `torch_xla`, with a fixed batch size, and only its `call` (the "
-    "kernel values), not the DUQ serving signature. Save the model with `model.save('duq.keras')`, "
-    "load it in a process started with `KERAS_BACKEND=tensorflow` (or "
-    "`jax`) with `keras.models.load_model('duq.keras')`, and call `export` "
-    "there. Received: backend 'torch'"
+    "kernel values), not the DUQ serving signature. Save the model with "
+    "`model.save('duq.keras')`, load it in a process started with "
+    "`KERAS_BACKEND=tensorflow` (or `jax`) with "
+    "`keras.models.load_model('duq.keras')`, and call `export` there; or "
+    "export the kernel values alone with `format='onnx'`. "
+    "Received: backend 'torch'"
 )
 
 
@@ -70,11 +72,13 @@ def check_export_options(certainty_threshold, calibrator, options) -> None:
             "for no `accept` output. Received: "
             f"`certainty_threshold={certainty_threshold!r}`"
         )
-    if calibrator is not None and not callable(calibrator):
+    if calibrator is not None and (
+        not callable(calibrator) or getattr(calibrator, "fitted", True) is False
+    ):
         raise ValueError(
             "Expected `calibrator` to be a fitted "
-            "`keras_duq.evaluation.CertaintyCalibrator` (a callable from "
-            "certainty to the probability of a correct prediction), or `None`. "
+            "`keras_duq.evaluation.CertaintyCalibrator` (call its `fit` on "
+            "validation certainty and correctness first), or `None`. "
             f"Received: `calibrator={calibrator!r}`"
         )
     if backend not in SAVED_MODEL_BACKENDS:
