@@ -240,6 +240,7 @@ def test_serving_options_need_the_saved_model_format(tmp_path):
 
 
 @pytest.mark.skipif(BACKEND == "jax", reason="Keras's ONNX export from JAX needs jax2onnx")
+@pytest.mark.filterwarnings("ignore:In the future `np.object`:FutureWarning")  # Keras's tf2onnx patch
 def test_onnx_export_serves_kernel_values(tmp_path):
     onnxruntime = pytest.importorskip("onnxruntime")
     if BACKEND == "tensorflow":
