@@ -390,6 +390,8 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
         format="tf_saved_model",
         verbose=False,
         input_signature=None,
+        certainty_threshold: float | None = None,
+        calibrator=None,
         **kwargs,
     ):
         """Exports a SavedModel for TF Serving (Keras's `Model.export`).
@@ -402,18 +404,26 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
 
         - `kernel_values`: `(batch, num_classes)` float32 kernel values;
         - `predictions`: `(batch,)` int64 predicted class (argmax);
-        - `certainty`: `(batch,)` float32 max kernel value.
+        - `certainty`: `(batch,)` float32 max kernel value;
+        - `accept`: `(batch,)` bool, `certainty >= certainty_threshold`
+          (compared in float32), only with `certainty_threshold`;
+        - `probability_correct`: `(batch,)` float32, the calibrator's
+          probability that the prediction is correct, only with
+          `calibrator`.
 
-        Loading it needs only TensorFlow (`tf.saved_model.load`). Other
+        The same signature is written from the TensorFlow and the JAX
+        backend (JAX through `jax2tf`). Loading it needs only TensorFlow
+        (`tf.saved_model.load`). On PyTorch this format raises a
+        `ValueError` that says how to export from another backend. Other
         formats are passed to `keras.Model.export` unchanged.
 
         Example:
 
         ```python
-        model.export("duq_savedmodel")
+        model.export("duq_savedmodel", certainty_threshold=0.5)
         reloaded = tf.saved_model.load("duq_savedmodel")
         outputs = reloaded.signatures["serving_default"](inputs=tf.constant(x))
-        certainty = outputs["certainty"]
+        outputs["accept"]  # False: refer the example to a person
         ```
 
         The body of a TF Serving REST request (`POST .../models/NAME:predict`)
@@ -426,12 +436,30 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
             verbose: whether to print Keras's summary of the export
                 (hundreds of lines for a large backbone). Defaults to
                 `False`.
-            input_signature: optional structure of `tf.TensorSpec` for the
-                inputs; defaults to the model's inputs with a free batch
+            input_signature: optional structure of `tf.TensorSpec` (or
+                `keras.InputSpec`) for the inputs; defaults to the model's inputs with a free batch
                 size and the names above.
-            **kwargs: passed to `keras.Model.export` for other formats.
+            certainty_threshold: optional float in `[0, 1]`; adds the
+                `accept` output. Choose it on in-distribution validation
+                data, e.g. the certainty that keeps 95% of it.
+            calibrator: optional fitted
+                `keras_duq.evaluation.CertaintyCalibrator`; adds the
+                `probability_correct` output.
+            **kwargs: on JAX, Keras's `is_static` and `jax2tf_kwargs`;
+                for other formats, passed to `keras.Model.export`. Any
+                other keyword raises a `ValueError`.
         """
+        from keras_duq import _export
+
         if format != "tf_saved_model":
+            _export.check_no_serving_options(format, certainty_threshold, calibrator)
+            if input_signature is None:
+                # Keras infers no signature for a model subclass until called.
+                input_signature = [
+                    _export.serving_input_signature(
+                        self.feature_extractor.input, spec_type="keras"
+                    )
+                ]
             return super().export(
                 filepath,
                 format=format,
@@ -439,9 +467,16 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
                 input_signature=input_signature,
                 **kwargs,
             )
-        from keras_duq import _export
-
-        _export.export_saved_model(self, filepath, verbose, input_signature)
+        _export.check_export_options(certainty_threshold, calibrator, kwargs)
+        _export.export_saved_model(
+            self,
+            filepath,
+            verbose,
+            input_signature,
+            certainty_threshold=certainty_threshold,
+            calibrator=calibrator,
+            **kwargs,
+        )
 
     # -------------------------------------------------------- serialization
 

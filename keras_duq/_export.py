@@ -1,54 +1,225 @@
-"""SavedModel export of a DUQ model for TF Serving."""
+"""SavedModel export of a DUQ model for TF Serving, from TensorFlow or JAX.
+
+The serving outputs are computed with `keras.ops` (`serving_outputs`), so
+one function serves both backends: Keras's `ExportArchive` turns it into a
+`tf.function` (traced on TensorFlow, converted with `jax2tf` on JAX), and a
+thin TensorFlow wrapper fixes the output dtypes, since JAX without x64 has
+no int64 for `predictions`.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
 
 import keras
-import tensorflow as tf
+from keras import ops
 
 # The serving signature's input key for a single-input model. Requests use
 # it (`{"inputs": ...}` in TF Serving's columnar format); the row format
 # `{"instances": [...]}` needs no key at all.
 SINGLE_INPUT_NAME = "inputs"
 
+# Backends whose `ExportArchive` can serve a function of our own (not only
+# the model's `call`); PyTorch's needs `torch_xla` and serves `call` only.
+SAVED_MODEL_BACKENDS = ("tensorflow", "jax")
 
-def export_saved_model(model, filepath, verbose=False, input_signature=None):
-    """Writes `model` as a SavedModel whose `serving_default` gives DUQ outputs."""
+# Options of Keras's own `tf_saved_model` export that apply here, by backend.
+_BACKEND_OPTIONS = {"jax": ("is_static", "jax2tf_kwargs")}
+
+_TORCH_MESSAGE = (
+    "`DUQModel.export(format='tf_saved_model')` is not supported on the "
+    "PyTorch backend: Keras exports a PyTorch model to a SavedModel only "
+    "through `torch_xla`, with a fixed batch size, and only its `call` (the "
+    "kernel values), not the DUQ serving signature. Save the model with "
+    "`model.save('duq.keras')`, load it in a process started with "
+    "`KERAS_BACKEND=tensorflow` (or `jax`) with "
+    "`keras.models.load_model('duq.keras')`, and call `export` there; or "
+    "export the kernel values alone with `format='onnx'`. "
+    "Received: backend 'torch'"
+)
+
+
+def check_export_options(certainty_threshold, calibrator, options) -> None:
+    """Raises a `ValueError` for an option `export_saved_model` cannot use.
+
+    Called before anything is traced or written.
+    """
+    backend = keras.backend.backend()
+    allowed = _BACKEND_OPTIONS.get(backend, ())
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        received = ", ".join(f"`{name}={options[name]!r}`" for name in unknown)
+        passed_on = (
+            f"takes {', '.join(f'`{name}`' for name in allowed)} besides its own arguments"
+            if allowed
+            else "takes only its own arguments"
+        )
+        raise ValueError(
+            f"Unknown keyword argument(s) for `DUQModel.export`: with "
+            f"`format='tf_saved_model'` on the {backend} backend it {passed_on}. "
+            f"Remove them or check their spelling. Received: {received}"
+        )
+    if certainty_threshold is not None and (
+        isinstance(certainty_threshold, bool)
+        or not isinstance(certainty_threshold, (int, float))
+        or not 0.0 <= certainty_threshold <= 1.0
+    ):
+        raise ValueError(
+            "Expected `certainty_threshold` to be a float in [0, 1] (a kernel "
+            "value: `accept` is `certainty >= certainty_threshold`), or `None` "
+            "for no `accept` output. Received: "
+            f"`certainty_threshold={certainty_threshold!r}`"
+        )
+    if calibrator is not None and (
+        not callable(calibrator) or getattr(calibrator, "fitted", True) is False
+    ):
+        raise ValueError(
+            "Expected `calibrator` to be a fitted "
+            "`keras_duq.evaluation.CertaintyCalibrator` (call its `fit` on "
+            "validation certainty and correctness first), or `None`. "
+            f"Received: `calibrator={calibrator!r}`"
+        )
+    if backend not in SAVED_MODEL_BACKENDS:
+        raise ValueError(
+            _TORCH_MESSAGE
+            if backend == "torch"
+            else "`DUQModel.export` writes a SavedModel from the TensorFlow or "
+            f"JAX backend. Received: backend {backend!r}"
+        )
+
+
+def check_no_serving_options(format, certainty_threshold, calibrator) -> None:
+    """Raises a `ValueError` when a DUQ serving option meets another format."""
+    given = {
+        name: value
+        for name, value in (
+            ("certainty_threshold", certainty_threshold),
+            ("calibrator", calibrator),
+        )
+        if value is not None
+    }
+    if given:
+        received = ", ".join(f"`{name}={value!r}`" for name, value in given.items())
+        raise ValueError(
+            f"{' and '.join(f'`{name}`' for name in given)}: the outputs these "
+            "add to the DUQ serving signature are written only with "
+            "`format='tf_saved_model'`; "
+            f"writes; `format={format!r}` exports the model's `call` (the "
+            "kernel values). Export with `format='tf_saved_model'`, or "
+            f"compare the certainty with the threshold yourself. Received: {received}"
+        )
+
+
+def serving_outputs(model, inputs, certainty_threshold=None, calibrator=None):
+    """The serving signature's outputs, with `keras.ops` (any backend).
+
+    Returns a dict: `kernel_values`, `predictions` (argmax of the log
+    kernel values), `certainty` (their max), `accept` when
+    `certainty_threshold` is given and `probability_correct` when
+    `calibrator` is.
+    """
+    features = model.feature_extractor(inputs, training=False)
+    log_kernel = model.duq_output.log_kernel_values(features)
+    kernel_values = ops.exp(log_kernel)
+    certainty = ops.max(kernel_values, axis=-1)
+    outputs = {
+        "kernel_values": kernel_values,
+        # From log K: far inputs underflow every K to 0, not log K.
+        "predictions": ops.argmax(log_kernel, axis=-1),
+        "certainty": certainty,
+    }
+    if certainty_threshold is not None:
+        # The threshold is compared in float32, the certainty's dtype.
+        outputs["accept"] = ops.greater_equal(
+            certainty, ops.cast(certainty_threshold, certainty.dtype)
+        )
+    if calibrator is not None:
+        outputs["probability_correct"] = ops.cast(calibrator(certainty), "float32")
+    return outputs
+
+
+def export_saved_model(
+    model,
+    filepath,
+    verbose=False,
+    input_signature=None,
+    certainty_threshold=None,
+    calibrator=None,
+    **options,
+):
+    """Writes `model` as a SavedModel whose `serving_default` gives DUQ outputs.
+
+    `options` are Keras's backend options (`is_static`, `jax2tf_kwargs` on
+    JAX); `check_export_options` must have accepted them.
+    """
+    import tensorflow as tf
+
     if input_signature is None:
         input_signature = [serving_input_signature(model.feature_extractor.input)]
+    else:  # `keras.InputSpec`s too, as Keras's own export takes them.
+        input_signature = tf.nest.map_structure(
+            lambda spec: spec
+            if isinstance(spec, tf.TensorSpec)
+            else tf.TensorSpec(spec.shape, spec.dtype, name=getattr(spec, "name", None)),
+            input_signature,
+        )
 
+    def outputs_fn(inputs):
+        return serving_outputs(model, inputs, certainty_threshold, calibrator)
+
+    # This archive only converts `outputs_fn` to a `tf.function`; the
+    # SavedModel is written by the second one, with the dtypes fixed.
+    converter = keras.export.ExportArchive()
+    converter.track(model)
+    converted = converter.add_endpoint(
+        "outputs", outputs_fn, input_signature, **options
+    )
+
+    dtypes = {"predictions": tf.int64, "accept": tf.bool}
+
+    @tf.function(input_signature=input_signature, autograph=False)
     def serve(inputs):
-        features = model.feature_extractor(inputs, training=False)
-        log_kernel = model.duq_output.log_kernel_values(features)
-        kernel_values = tf.exp(log_kernel)
         return {
-            "kernel_values": kernel_values,
-            # From log K: far inputs underflow every K to 0, not log K.
-            "predictions": tf.argmax(log_kernel, axis=-1),
-            "certainty": tf.reduce_max(kernel_values, axis=-1),
+            name: tf.cast(value, dtypes.get(name, tf.float32))
+            for name, value in converted(inputs).items()
         }
 
+    serve.get_concrete_function()
     archive = keras.export.ExportArchive()
-    archive.track(model)
-    archive.add_endpoint("serve", serve, input_signature)
+    # Keras saves the variables that `serve` captures (on JAX, the
+    # converter's `tf.Variable` copies of the model's).
+    archive.add_endpoint("serve", serve)
     if "verbose" in inspect.signature(archive.write_out).parameters:
         archive.write_out(filepath, verbose=bool(verbose))
-    else:  # Keras < 3.6 prints nothing and takes no `verbose`.
+    elif verbose:
         archive.write_out(filepath)
+    else:  # Keras < 3.6 takes no `verbose` and always prints the summary.
+        with contextlib.redirect_stdout(io.StringIO()):
+            archive.write_out(filepath)
 
 
-def serving_input_signature(inputs):
-    """`tf.TensorSpec`s with stable names and a free batch dimension.
+def serving_input_signature(inputs, spec_type: str = "tf"):
+    """Input specs with stable names and a free batch dimension.
 
     One input is named `"inputs"`; a dict of inputs keeps its keys; a list
     gets `"inputs_0"`, `"inputs_1"`, ...: Keras's own input names depend on
     how many models were built before (`input_layer_3`), so they cannot be
-    documented.
+    documented. `spec_type`: `"tf"` for `tf.TensorSpec`s (the SavedModel's
+    `tf.function`), `"keras"` for `keras.InputSpec`s (Keras's exporters
+    on any backend).
     """
+    if spec_type == "tf":
+        import tensorflow as tf
+
+        make_spec = tf.TensorSpec
+    else:
+        make_spec = keras.InputSpec
 
     def spec(tensor, name):
-        return tf.TensorSpec((None,) + tuple(tensor.shape[1:]), tensor.dtype, name=name)
+        shape = (None,) + tuple(tensor.shape[1:])
+        return make_spec(shape=shape, dtype=tensor.dtype, name=name)
 
     if isinstance(inputs, dict):
         return {key: spec(tensor, key) for key, tensor in inputs.items()}

@@ -458,57 +458,6 @@ def test_keras_save_and_load_round_trip(tmp_path):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
 
 
-_SERVE_WITH_TF_ONLY = """
-import json, sys
-import numpy as np
-import tensorflow as tf
-reloaded = tf.saved_model.load(sys.argv[1])
-serve = reloaded.signatures["serving_default"]
-x = np.load(sys.argv[2])
-outputs = serve(**{list(serve.structured_input_signature[1])[0]: tf.constant(x)})
-np.savez(sys.argv[3], **{k: v.numpy() for k, v in outputs.items()})
-print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in ("keras", "keras_duq"))))
-"""
-
-
-def test_export_serves_kernel_values_predictions_and_certainty(tmp_path):
-    import subprocess
-    import sys
-
-    model = _compiled(batch_norm=True)
-    x, y = _data()
-    model.fit(x, y, epochs=1, verbose=0)
-    path = str(tmp_path / "savedmodel")
-    model.export(path, verbose=False)
-    np.save(tmp_path / "x.npy", x[:5])
-    script = tmp_path / "serve.py"
-    script.write_text(_SERVE_WITH_TF_ONLY)
-    result = subprocess.run(
-        [sys.executable, str(script), path, str(tmp_path / "x.npy"), str(tmp_path / "out.npz")],
-        capture_output=True, text=True, check=True,
-    )
-    imported = json.loads(result.stdout.strip().splitlines()[-1])
-    assert not any(m.startswith("keras_duq") for m in imported)
-    outputs = np.load(tmp_path / "out.npz")
-    expected = model.predict(x[:5], verbose=0)
-    np.testing.assert_array_equal(outputs["kernel_values"], expected)
-    np.testing.assert_array_equal(outputs["predictions"], expected.argmax(axis=1))
-    np.testing.assert_array_equal(outputs["certainty"], expected.max(axis=1))
-    assert outputs["kernel_values"].dtype == np.float32
-    assert outputs["certainty"].dtype == np.float32
-    assert outputs["predictions"].dtype == np.int64
-
-    cli_path = os.path.join(os.path.dirname(sys.executable), "saved_model_cli")
-    cli = subprocess.run(
-        [cli_path if os.path.exists(cli_path) else "saved_model_cli", "show", "--dir", path, "--all"],
-        capture_output=True, text=True, check=True,
-    ).stdout
-    serving = cli[cli.index("signature_def['serving_default']"):]
-    for name in ("kernel_values", "predictions", "certainty"):
-        assert f"outputs['{name}']" in serving
-    assert "shape: (-1, 4)" in serving and "shape: (-1, 3)" in serving
-
-
 # ------------------------------------------- mixed precision, distribution
 
 
@@ -994,22 +943,6 @@ def test_fractional_labels_are_rejected_and_leave_state_unchanged(jit_compile):
     with pytest.raises(tf.errors.InvalidArgumentError, match="fractional"):
         model.fit(x, y + 0.5, epochs=1, verbose=0)
     _assert_state_equal(model, state)
-
-
-def test_export_input_name_is_stable_and_export_is_quiet(tmp_path, capfd):
-    for _ in range(2):  # Keras numbers its input names per model built
-        model = _compiled()
-    x, _ = _data()
-    path = str(tmp_path / "savedmodel")
-    capfd.readouterr()
-    model.export(path)
-    printed = capfd.readouterr().out
-    assert len(printed.splitlines()) <= 2, printed
-    reloaded = tf.saved_model.load(path)
-    outputs = reloaded.signatures["serving_default"](inputs=tf.constant(x[:3]))
-    np.testing.assert_array_equal(
-        outputs["kernel_values"].numpy(), model.predict(x[:3], verbose=0)
-    )
 
 
 def test_failed_step_keeps_batch_norm_statistics():

@@ -1,0 +1,254 @@
+"""DUQModel.export: the serving signature from each backend, `accept`, option checks, ONNX.
+
+The tests that export are backend-neutral and run on the backend of the
+session; `test_export_from_jax` and `test_export_from_torch` run them again
+in a pytest process started with `KERAS_BACKEND=jax` (or `torch`). Every
+SavedModel is loaded in a separate process that imports TensorFlow only.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+import keras_duq
+
+BACKEND = keras.backend.backend()
+
+# Loads each SavedModel given as `path=inputs.npz`, calls `serving_default`
+# with the arrays of the .npz by name and writes its outputs beside it.
+_SERVE_WITH_TF_ONLY = """
+import json, sys
+import numpy as np
+import tensorflow as tf
+report = {}
+for argument in sys.argv[1:]:
+    path, inputs = argument.split("=")
+    serve = tf.saved_model.load(path).signatures["serving_default"]
+    arrays = np.load(inputs)
+    outputs = serve(**{name: tf.constant(arrays[name]) for name in arrays.files})
+    np.savez(path + ".out.npz", **{k: v.numpy() for k, v in outputs.items()})
+    report[path] = {
+        "inputs": sorted(serve.structured_input_signature[1]),
+        "dtypes": {k: v.dtype.name for k, v in outputs.items()},
+    }
+report["imported"] = sorted(m for m in sys.modules if m.startswith("keras_duq"))
+print(json.dumps(report))
+"""
+
+
+def _serve_with_tf_only(tmp_path, exports):
+    """`{path: {input name: array}}` -> (`{path: outputs}`, report), in a TF-only process."""
+    arguments = []
+    for path, inputs in exports.items():
+        np.savez(f"{path}.in.npz", **inputs)
+        arguments.append(f"{path}={path}.in.npz")
+    script = tmp_path / "serve.py"
+    script.write_text(_SERVE_WITH_TF_ONLY)
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    env.pop("KERAS_BACKEND", None)
+    result = subprocess.run(
+        [sys.executable, str(script), *arguments],
+        capture_output=True, text=True, env=env, cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report.pop("imported") == []
+    outputs = {path: dict(np.load(f"{path}.out.npz")) for path in exports}
+    return outputs, report
+
+
+def _data(n=64, features=4, classes=3, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, features)).astype("float32")
+    return x, rng.integers(0, classes, size=n)
+
+
+def _model(inputs=None):
+    """A small DUQ model with BatchNormalization; `inputs`: a single, dict or list input."""
+    keras.utils.set_random_seed(0)
+    if inputs is None:
+        inputs = keras.Input((4,))
+    x = inputs
+    if not isinstance(inputs, keras.KerasTensor):
+        x = keras.layers.Concatenate()(list(inputs.values() if isinstance(inputs, dict) else inputs))
+    x = keras.layers.Dense(8, activation="relu")(x)
+    x = keras.layers.BatchNormalization()(x)
+    outputs = keras_duq.DUQOutput(num_classes=3, centroid_dims=6, length_scale=0.5)(x)
+    return keras_duq.DUQModel(inputs, outputs, gradient_penalty=0.0)
+
+
+def _trained_model():
+    model = _model()
+    x, y = _data()
+    if BACKEND in ("tensorflow", "jax"):  # training elsewhere is not this file's concern
+        model.compile(optimizer=keras.optimizers.SGD(0.05))
+        model.fit(x, y, epochs=1, verbose=0)
+    return model, x
+
+
+def _run_pytest_under(backend, test_names):
+    env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+         "-k", " or ".join(test_names)],
+        capture_output=True, text=True, env=env,
+        cwd=os.path.dirname(os.path.dirname(__file__)),
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    return result.stdout
+
+
+# ------------------------------------------------- the serving signature
+
+
+@pytest.mark.skipif(BACKEND == "torch", reason="PyTorch has no SavedModel export here")
+def test_export_matches_predict_loaded_with_tensorflow_alone(tmp_path):
+    model, x = _trained_model()
+    x = x[:9]
+    expected = model.predict(x, verbose=0)
+    # The median certainty itself: `>=` is tested at equality too.
+    threshold = float(np.median(expected.max(axis=1)))
+    path = str(tmp_path / "savedmodel")
+    model.export(path, certainty_threshold=threshold)
+    exports = {path: {"inputs": x}}
+
+    # Multi-input models: the signature's input names.
+    x2, input_names, expected2 = x[:, :3], {}, {}
+    for kind in ("dict", "list"):
+        a, b = keras.Input((2,), name="a"), keras.Input((1,), name="b")
+        other = _model({"a": a, "b": b} if kind == "dict" else [a, b])
+        arrays = {"a": x2[:, :2], "b": x2[:, 2:]}
+        input_names[kind] = ["a", "b"] if kind == "dict" else ["inputs_0", "inputs_1"]
+        other.export(str(tmp_path / kind))
+        exports[str(tmp_path / kind)] = dict(zip(input_names[kind], arrays.values()))
+        batch = arrays if kind == "dict" else list(arrays.values())
+        expected2[kind] = other.predict(batch, verbose=0)
+
+    outputs, report = _serve_with_tf_only(tmp_path, exports)
+    served = outputs[path]
+    assert report[path]["inputs"] == ["inputs"]
+    assert report[path]["dtypes"] == {
+        "kernel_values": "float32", "predictions": "int64",
+        "certainty": "float32", "accept": "bool",
+    }
+    # jax2tf computes in XLA, not in JAX's own kernels: not bit-identical.
+    tolerance = 0.0 if BACKEND == "tensorflow" else 1e-4
+    np.testing.assert_allclose(served["kernel_values"], expected, rtol=tolerance, atol=1e-7)
+    np.testing.assert_allclose(served["certainty"], expected.max(axis=1), rtol=tolerance, atol=1e-7)
+    np.testing.assert_array_equal(served["predictions"], expected.argmax(axis=1))
+    np.testing.assert_array_equal(
+        served["accept"], served["certainty"] >= np.float32(threshold)
+    )
+    assert 0 < served["accept"].sum() < len(x)
+    for kind, names in input_names.items():
+        kind_path = str(tmp_path / kind)
+        assert report[kind_path]["inputs"] == names
+        np.testing.assert_allclose(
+            outputs[kind_path]["kernel_values"], expected2[kind], rtol=tolerance, atol=1e-7
+        )
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="saved_model_cli reads the TF export")
+def test_export_signature_shapes_and_quiet_export(tmp_path, capfd):
+    for _ in range(2):  # Keras numbers its input names per model built
+        model = _model()
+    path = str(tmp_path / "savedmodel")
+    capfd.readouterr()
+    model.export(path, certainty_threshold=0.5)
+    printed = capfd.readouterr().out
+    assert len(printed.splitlines()) <= 2, printed
+
+    cli_path = os.path.join(os.path.dirname(sys.executable), "saved_model_cli")
+    cli = subprocess.run(
+        [cli_path if os.path.exists(cli_path) else "saved_model_cli", "show", "--dir", path, "--all"],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    serving = cli[cli.index("signature_def['serving_default']"):]
+    for name in ("kernel_values", "predictions", "certainty", "accept"):
+        assert f"outputs['{name}']" in serving
+    assert "inputs['inputs']" in serving
+    assert "shape: (-1, 4)" in serving and "shape: (-1, 3)" in serving
+
+    import tensorflow as tf
+
+    own = str(tmp_path / "own_signature")
+    model.export(own, input_signature=[keras.InputSpec(shape=(None, 4), dtype="float32", name="features")])
+    serve = tf.saved_model.load(own).signatures["serving_default"]
+    assert list(serve.structured_input_signature[1]) == ["features"]
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="runs the JAX export in a subprocess")
+def test_export_from_jax():
+    pytest.importorskip("jax")
+    printed = _run_pytest_under(
+        "jax", ["tensorflow_alone", "unknown_option", "threshold_is_checked"]
+    )
+    assert "passed" in printed and "skipped" not in printed, printed
+
+
+# ---------------------------------------------------------- PyTorch
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="the PyTorch backend's export error")
+def test_export_on_torch_says_how(tmp_path):
+    model = _model()
+    path = tmp_path / "savedmodel"
+    with pytest.raises(ValueError, match=r"model\.save\('duq\.keras'\).*KERAS_BACKEND=tensorflow"):
+        model.export(str(path))
+    assert not path.exists()
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="runs the PyTorch check in a subprocess")
+def test_export_from_torch():
+    pytest.importorskip("torch")
+    printed = _run_pytest_under("torch", ["says_how", "unknown_option", "threshold_is_checked"])
+    assert "passed" in printed and "skipped" not in printed, printed
+
+
+# -------------------------------------------------- options are checked
+
+
+def test_export_unknown_option_is_an_error(tmp_path):
+    model = _model()
+    path = tmp_path / "savedmodel"
+    with pytest.raises(ValueError, match=r"Received: `some_unknown_option=1`"):
+        model.export(str(path), some_unknown_option=1)
+    assert not path.exists()
+
+
+@pytest.mark.parametrize("threshold", [-0.1, 1.5, float("nan"), True, "0.5"])
+def test_export_threshold_is_checked_before_writing(tmp_path, threshold):
+    model = _model()
+    path = tmp_path / "savedmodel"
+    with pytest.raises(ValueError, match=r"float in \[0, 1\].*Received: `certainty_threshold="):
+        model.export(str(path), certainty_threshold=threshold)
+    assert not path.exists()
+
+
+def test_serving_options_need_the_saved_model_format(tmp_path):
+    model = _model()
+    with pytest.raises(ValueError, match=r"format='tf_saved_model'.*Received: `certainty_threshold=0.5`"):
+        model.export(str(tmp_path / "duq.onnx"), format="onnx", certainty_threshold=0.5)
+
+
+# ------------------------------------------------------------------ ONNX
+
+
+@pytest.mark.skipif(BACKEND == "jax", reason="Keras's ONNX export from JAX needs jax2onnx")
+@pytest.mark.filterwarnings("ignore:In the future `np.object`:FutureWarning")  # Keras's tf2onnx patch
+def test_onnx_export_serves_kernel_values(tmp_path):
+    onnxruntime = pytest.importorskip("onnxruntime")
+    if BACKEND == "tensorflow":
+        pytest.importorskip("tf2onnx")
+    model, x = _trained_model()
+    path = str(tmp_path / "duq.onnx")
+    model.export(path, format="onnx", verbose=False)
+    session = onnxruntime.InferenceSession(path)
+    assert [i.name for i in session.get_inputs()] == ["inputs"]
+    (kernel_values,) = session.run(None, {"inputs": x[:7]})
+    np.testing.assert_allclose(kernel_values, model.predict(x[:7], verbose=0), rtol=1e-5, atol=1e-7)
