@@ -28,7 +28,6 @@ import os
 import keras
 import matplotlib.pyplot as plt
 import numpy as np
-from keras import ops
 from sklearn.datasets import make_moons
 
 import keras_duq
@@ -76,63 +75,22 @@ print(
 # The gradient penalty keeps the features sensitive to the input. A backbone
 # whose layers cannot shrink distances much helps further: far inputs then stay
 # far in feature space and cannot land on a centroid. Spectral normalisation
-# caps each dense layer's largest singular value (estimated by one power
-# iteration per training step); residual blocks `h + relu(f(h))` of such layers
-# keep distances, as in DUE (van Amersfoort et al., 2021).
+# (`keras_duq.SpectralNormalization`) caps each dense layer's largest singular
+# value (estimated by one power iteration per training step); residual blocks
+# `h + relu(f(h))` of such layers keep distances, as in DUE (van Amersfoort et
+# al., 2021).
 
 
-@keras.saving.register_keras_serializable(package="two_moons_example")
-class SpectralNormalizedDense(keras.layers.Layer):
-    """A dense layer whose kernel's spectral norm is at most `coefficient`."""
-
-    def __init__(self, units, coefficient=3.0, **kwargs):
-        super().__init__(**kwargs)
-        self.units = units
-        self.coefficient = coefficient
-
-    def build(self, input_shape):
-        self.kernel = self.add_weight(
-            shape=(input_shape[-1], self.units),
-            initializer="glorot_uniform",
-            name="kernel",
-        )
-        self.bias = self.add_weight(
-            shape=(self.units,), initializer="zeros", name="bias"
-        )
-        self.vector_u = self.add_weight(
-            shape=(1, self.units),
-            initializer="random_normal",
-            trainable=False,
-            name="vector_u",
-        )
-
-    def call(self, inputs, training=False):
-        # One power iteration estimates the largest singular value, sigma.
-        vector_v = ops.matmul(self.vector_u, ops.transpose(self.kernel))
-        vector_v = vector_v / (ops.norm(vector_v) + 1e-12)
-        vector_u = ops.matmul(vector_v, self.kernel)
-        vector_u = vector_u / (ops.norm(vector_u) + 1e-12)
-        if training:
-            self.vector_u.assign(vector_u)
-        vector_u, vector_v = ops.stop_gradient(vector_u), ops.stop_gradient(vector_v)
-        sigma = ops.sum(ops.matmul(vector_v, self.kernel) * vector_u)
-        # Only cap the norm: a kernel already below it is left as it is.
-        kernel = self.kernel / ops.maximum(1.0, sigma / self.coefficient)
-        return ops.matmul(inputs, kernel) + self.bias
-
-    def get_config(self):
-        return {
-            **super().get_config(),
-            "units": self.units,
-            "coefficient": self.coefficient,
-        }
+def sn_dense(units):
+    """A dense layer whose spectral norm is capped at 3."""
+    return keras_duq.SpectralNormalization(keras.layers.Dense(units), coefficient=3.0)
 
 
 def residual_sn_backbone():
     inputs = keras.Input((2,))
-    features = SpectralNormalizedDense(32)(inputs)
+    features = sn_dense(32)(inputs)
     for _ in range(2):
-        features = features + keras.layers.ReLU()(SpectralNormalizedDense(32)(features))
+        features = features + keras.layers.ReLU()(sn_dense(32)(features))
     return keras.Model(inputs, features, name="residual_sn_mlp")
 
 
