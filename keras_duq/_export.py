@@ -12,9 +12,17 @@ from __future__ import annotations
 import contextlib
 import inspect
 import io
+import os
+from typing import TYPE_CHECKING, Any
 
 import keras
 from keras import ops
+
+from keras_duq._typing import Tensor
+
+if TYPE_CHECKING:
+    from keras_duq._duq_model import DUQModel
+    from keras_duq.evaluation import CertaintyCalibrator
 
 # The serving signature's input key for a single-input model. Requests use
 # it (`{"inputs": ...}` in TF Serving's columnar format); the row format
@@ -41,7 +49,9 @@ _TORCH_MESSAGE = (
 )
 
 
-def check_export_options(certainty_threshold, calibrator, options) -> None:
+def check_export_options(
+    certainty_threshold: Any, calibrator: Any, options: dict[str, Any]
+) -> None:
     """Raises a `ValueError` for an option `export_saved_model` cannot use.
 
     Called before anything is traced or written.
@@ -90,7 +100,9 @@ def check_export_options(certainty_threshold, calibrator, options) -> None:
         )
 
 
-def check_no_serving_options(format, certainty_threshold, calibrator) -> None:
+def check_no_serving_options(
+    format: str, certainty_threshold: Any, calibrator: Any
+) -> None:
     """Raises a `ValueError` when a DUQ serving option meets another format."""
     given = {
         name: value
@@ -112,7 +124,12 @@ def check_no_serving_options(format, certainty_threshold, calibrator) -> None:
         )
 
 
-def serving_outputs(model, inputs, certainty_threshold=None, calibrator=None):
+def serving_outputs(
+    model: DUQModel,
+    inputs: Any,
+    certainty_threshold: float | None = None,
+    calibrator: CertaintyCalibrator | None = None,
+) -> dict[str, Tensor]:
     """The serving signature's outputs, with `keras.ops` (any backend).
 
     Returns a dict: `kernel_values`, `predictions` (argmax of the log
@@ -141,14 +158,14 @@ def serving_outputs(model, inputs, certainty_threshold=None, calibrator=None):
 
 
 def export_saved_model(
-    model,
-    filepath,
-    verbose=False,
-    input_signature=None,
-    certainty_threshold=None,
-    calibrator=None,
-    **options,
-):
+    model: DUQModel,
+    filepath: str | os.PathLike,
+    verbose: bool = False,
+    input_signature: list[Any] | None = None,
+    certainty_threshold: float | None = None,
+    calibrator: CertaintyCalibrator | None = None,
+    **options: Any,
+) -> None:
     """Writes `model` as a SavedModel whose `serving_default` gives DUQ outputs.
 
     `options` are Keras's backend options (`is_static`, `jax2tf_kwargs` on
@@ -166,7 +183,7 @@ def export_saved_model(
             input_signature,
         )
 
-    def outputs_fn(inputs):
+    def outputs_fn(inputs: Any) -> dict[str, Tensor]:
         return serving_outputs(model, inputs, certainty_threshold, calibrator)
 
     # This archive only converts `outputs_fn` to a `tf.function`; the
@@ -180,7 +197,7 @@ def export_saved_model(
     dtypes = {"predictions": tf.int64, "accept": tf.bool}
 
     @tf.function(input_signature=input_signature, autograph=False)
-    def serve(inputs):
+    def serve(inputs: Any) -> dict[str, tf.Tensor]:
         return {
             name: tf.cast(value, dtypes.get(name, tf.float32))
             for name, value in converted(inputs).items()
@@ -200,7 +217,7 @@ def export_saved_model(
             archive.write_out(filepath)
 
 
-def serving_input_signature(inputs, spec_type: str = "tf"):
+def serving_input_signature(inputs: Any, spec_type: str = "tf") -> Any:
     """Input specs with stable names and a free batch dimension.
 
     One input is named `"inputs"`; a dict of inputs keeps its keys; a list
@@ -217,7 +234,7 @@ def serving_input_signature(inputs, spec_type: str = "tf"):
     else:
         make_spec = keras.InputSpec
 
-    def spec(tensor, name):
+    def spec(tensor: Any, name: str) -> tf.TensorSpec | keras.InputSpec:
         shape = (None,) + tuple(tensor.shape[1:])
         return make_spec(shape=shape, dtype=tensor.dtype, name=name)
 

@@ -21,6 +21,10 @@ import inspect
 import sys
 import warnings
 import weakref
+from collections.abc import Callable
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+from typing import Any
 
 import keras
 import numpy as np
@@ -29,7 +33,11 @@ from keras import ops
 from keras_duq import _compat
 from keras_duq import _ops
 from keras_duq._validation import check_positive_int
+from keras_duq._typing import Tensor
 from keras_duq._validation import is_float
+
+if TYPE_CHECKING:
+    from keras_duq._duq_model import DUQModel
 
 # Below float32's smallest normal number a kernel value has underflowed:
 # `predict` returns it as a subnormal or as 0, and the certainty no longer
@@ -144,7 +152,7 @@ def _state(model):
 
 
 @contextlib.contextmanager
-def out_of_distribution(model):
+def out_of_distribution(model: DUQModel) -> Iterator[None]:
     """Within the block, `model.predict` checks nothing: its inputs are meant to be OoD.
 
     Out-of-distribution inputs should get kernel values near 0, and
@@ -170,7 +178,7 @@ def _warn(model, cause, category, message):
 # ----------------------------------------------------------- batch metrics
 
 
-def batch_trackers(gradient_penalty: float, penalty: str) -> list:
+def batch_trackers(gradient_penalty: float, penalty: str) -> list[keras.metrics.Mean]:
     """The per-batch health metrics of a model with this penalty."""
     trackers = [keras.metrics.Mean(name="certainty"), keras.metrics.Mean(name="underflow")]
     if gradient_penalty > 0 and penalty == "two_sided":
@@ -178,7 +186,12 @@ def batch_trackers(gradient_penalty: float, penalty: str) -> list:
     return trackers
 
 
-def update_batch_metrics(trackers, log_kernel, penalty, penalty_weight):
+def update_batch_metrics(
+    trackers: list[keras.metrics.Mean],
+    log_kernel: Tensor,
+    penalty: Tensor | None,
+    penalty_weight: float | Tensor,
+) -> None:
     """Updates `batch_trackers` from one step's log kernel values and penalty.
 
     `penalty_weight` weighs the batch's zero-gradient fraction (0 on the
@@ -508,7 +521,7 @@ def _check_final_state(model, inputs, where, training=False):
     _check_centroid_overlap(model, where)
 
 
-def check_predictions(model, kernel_values):
+def check_predictions(model: DUQModel, kernel_values: Any) -> None:
     """The checks after `predict`: inference-mode underflow, unsettled BatchNormalization.
 
     The modes are compared on a batch of the last `fit`'s inputs, not on
@@ -598,13 +611,13 @@ class HealthCheck(keras.callbacks.Callback):
             these comparisons.
     """
 
-    def __init__(self, inputs=None) -> None:
+    def __init__(self, inputs: Any = None) -> None:
         super().__init__()
         self.inputs = inputs
         self._in_fit = False
         self._epoch_warmed_up = False
 
-    def _checked_model(self):
+    def _checked_model(self) -> DUQModel:
         if not hasattr(self.model, "duq_output"):
             raise ValueError(
                 "`HealthCheck` checks DUQ models (`keras_duq.DUQModel`). "
@@ -612,7 +625,7 @@ class HealthCheck(keras.callbacks.Callback):
             )
         return self.model
 
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: dict | None = None) -> None:
         self._in_fit = True
         model = self._checked_model()
         _record_centroid_start(model)
@@ -620,10 +633,10 @@ class HealthCheck(keras.callbacks.Callback):
             _state(model)["training_inputs"] = self.inputs
             _check_input_scale(model, self.inputs)
 
-    def on_epoch_begin(self, epoch, logs=None):
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._epoch_warmed_up = _warmed_up(self._checked_model())
 
-    def on_epoch_end(self, epoch, logs=None):
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         model = self._checked_model()
         logs = {} if logs is None else logs
         if self._epoch_warmed_up:
@@ -636,14 +649,14 @@ class HealthCheck(keras.callbacks.Callback):
                 logs["batch_norm_gap"] = comparison.gap
         logs["centroid_overlap"] = _centroid_overlap(model.duq_output)[0]
 
-    def on_train_end(self, logs=None):
+    def on_train_end(self, logs: dict | None = None) -> None:
         model = self._checked_model()
         self._in_fit = False
         if _warmed_up(model):
             _check_final_state(model, self.inputs, "end of `fit`", training=True)
             _check_unseen_classes(model)
 
-    def on_test_end(self, logs=None):
+    def on_test_end(self, logs: dict | None = None) -> None:
         model = self._checked_model()
         logs = {} if logs is None else logs
         if not self._in_fit:
@@ -699,7 +712,12 @@ def _check_input_scale(model, inputs):
 # ------------------------------------------------- hooks of fit/evaluate
 
 
-def with_health_check(model, method, args, kwargs):
+def with_health_check(
+    model: DUQModel,
+    method: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """`(args, kwargs)` of `fit` or `evaluate` with a `HealthCheck` in the callbacks."""
     bound = inspect.signature(method).bind(*args, **kwargs)
     arguments = bound.arguments
@@ -714,7 +732,7 @@ def with_health_check(model, method, args, kwargs):
     return bound.args, bound.kwargs
 
 
-def sample_inputs(x, batch_size=None):
+def sample_inputs(x: Any, batch_size: int | None = None) -> Any:
     """A batch of inputs from `x` for the mode comparison, or `None`.
 
     In-memory arrays give a random sample (data sorted by class would bias
@@ -755,7 +773,10 @@ def _as_arrays(x):
 
 
 def recompute_batch_norm_statistics(
-    model: keras.layers.Layer, data, steps: int | None = None, batch_size: int = 128
+    model: keras.layers.Layer,
+    data: Any,
+    steps: int | None = None,
+    batch_size: int = 128,
 ) -> list[str]:
     """Re-estimates the moving statistics of every BatchNormalization layer from data.
 

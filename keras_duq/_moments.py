@@ -16,12 +16,18 @@ it is not.
 values (and first derivatives) are bitwise the same as `tf.nn.moments`'s.
 """
 
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+
 import tensorflow as tf
 
 from keras_duq import _compat
 
 
-def moments(x, axes, keepdims=False):
+def moments(
+    x: tf.Tensor, axes: int | list[int] | tuple[int, ...], keepdims: bool = False
+) -> tuple[tf.Tensor, tf.Tensor]:
     """Mean and (biased) variance of `x` over `axes`, twice differentiable.
 
     The same operations as `tf.nn.moments`, but the variance stays a function
@@ -40,7 +46,7 @@ def is_supported() -> bool:
     return _compat.batch_moments_supported()
 
 
-def second_order_moments():
+def second_order_moments() -> AbstractContextManager[None]:
     """Within the block, Keras layers compute batch moments with `moments`.
 
     Nested and concurrent blocks share one swap (see `_compat`). Any other

@@ -8,7 +8,11 @@ tensors; callers are responsible for casting.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from keras import ops
+
+from keras_duq._typing import Tensor
 
 PENALTIES = ("two_sided", "one_sided")
 
@@ -29,7 +33,7 @@ BIAS_CORRECTED_CENTROID_COUNT = 1e-6
 _LOG_KERNEL_CEILING = -1e-7
 
 
-def squared_distances(embeddings, centroids):
+def squared_distances(embeddings: Tensor, centroids: Tensor) -> Tensor:
     """Mean squared distance between class embeddings and centroids.
 
     Args:
@@ -45,7 +49,7 @@ def squared_distances(embeddings, centroids):
     return ops.mean(ops.square(embeddings - centroids[None]), axis=1)
 
 
-def log_kernel_values(distances, length_scale):
+def log_kernel_values(distances: Tensor, length_scale: float | Tensor) -> Tensor:
     """Logarithm of the RBF kernel: `log K_c = -d_c / (2 length_scale^2)`.
 
     Working in log space keeps the loss and its gradient exact when the
@@ -62,7 +66,9 @@ def log_kernel_values(distances, length_scale):
     return -distances / (2.0 * ops.square(length_scale))
 
 
-def binary_cross_entropy(log_kernel, labels_one_hot, epsilon=0.0):
+def binary_cross_entropy(
+    log_kernel: Tensor, labels_one_hot: Tensor, epsilon: float = 0.0
+) -> Tensor:
     """Per-example DUQ loss: binary cross-entropy of each kernel value.
 
     `-mean_c [y_c log K_c + (1 - y_c) log(1 - K_c)]`, computed from
@@ -109,13 +115,13 @@ def binary_cross_entropy(log_kernel, labels_one_hot, epsilon=0.0):
 
 
 def duq_loss(
-    log_kernel,
-    labels_one_hot,
-    penalty=None,
-    penalty_weight=0.0,
-    sample_weight=None,
-    bce_epsilon=0.0,
-):
+    log_kernel: Tensor,
+    labels_one_hot: Tensor,
+    penalty: Tensor | None = None,
+    penalty_weight: float | Tensor = 0.0,
+    sample_weight: Tensor | None = None,
+    bce_epsilon: float = 0.0,
+) -> tuple[Tensor, Tensor]:
     """The batch loss: mean of `bce + penalty_weight * penalty`, and its BCE part.
 
     Keras's `"sum_over_batch_size"` reduction: weighted per-example losses
@@ -142,7 +148,7 @@ def duq_loss(
     return ops.mean(per_example), ops.mean(bce)
 
 
-def gradient_norms(gradients):
+def gradient_norms(gradients: Iterable[Tensor | None]) -> Tensor:
     """Per-example L2 norm of input gradients, flattened over all inputs.
 
     The norm is safe at zero: where the gradient is exactly zero (all kernel
@@ -178,7 +184,7 @@ def gradient_norms(gradients):
     return ops.where(positive, ops.sqrt(safe_squared), ops.zeros_like(squared))
 
 
-def gradient_penalty(norms, penalty="two_sided"):
+def gradient_penalty(norms: Tensor, penalty: str = "two_sided") -> Tensor:
     """Per-example gradient penalty on the input-gradient norm.
 
     - `"two_sided"`: `(||g|| - 1)^2`, the paper's default: the sum of kernel
@@ -199,7 +205,9 @@ def gradient_penalty(norms, penalty="two_sided"):
     return ops.square(norms - 1.0)
 
 
-def centroid_statistics(embeddings, labels_one_hot):
+def centroid_statistics(
+    embeddings: Tensor, labels_one_hot: Tensor
+) -> tuple[Tensor, Tensor]:
     """Per-class example counts and embedding sums of one batch.
 
     Args:
@@ -215,7 +223,9 @@ def centroid_statistics(embeddings, labels_one_hot):
     return counts, sums
 
 
-def moving_average(state, batch_value, momentum):
+def moving_average(
+    state: Tensor, batch_value: Tensor, momentum: float | Tensor
+) -> Tensor:
     """The exponential moving average step used for the centroid state.
 
     `state <- momentum * state + (1 - momentum) * batch_value`, applied to
@@ -225,12 +235,14 @@ def moving_average(state, batch_value, momentum):
     return momentum * state + (1.0 - momentum) * batch_value
 
 
-def centroids(counts, sums):
+def centroids(counts: Tensor, sums: Tensor) -> Tensor:
     """Centroids `e_c = m_c / N_c` from the moving-average state."""
     return sums / counts[None, :]
 
 
-def coupled_weight_decay_loss(weights, weight_decay):
+def coupled_weight_decay_loss(
+    weights: Iterable[Tensor], weight_decay: float | Tensor
+) -> Tensor:
     """`weight_decay / 2 * sum ||w||^2` over `weights`.
 
     Its gradient adds `weight_decay * w` to the gradient of every weight:
@@ -243,7 +255,7 @@ def coupled_weight_decay_loss(weights, weight_decay):
     return 0.5 * weight_decay * total
 
 
-def validate_penalty(penalty):
+def validate_penalty(penalty: str) -> None:
     """Raises a `ValueError` unless `penalty` is a known penalty name."""
     if penalty not in PENALTIES:
         raise ValueError(

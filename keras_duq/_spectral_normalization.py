@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import keras
 import numpy as np
 from keras import ops
 
+from keras_duq._typing import Tensor
 from keras_duq._validation import check_positive_int
 
 SUPPORTED_LAYERS = (
@@ -89,8 +92,8 @@ class SpectralNormalization(keras.layers.Wrapper):
         layer: keras.layers.Layer,
         coefficient: float = 1.0,
         power_iterations: int = 1,
-        **kwargs,
-    ):
+        **kwargs: Any,
+    ) -> None:
         _check_arguments(coefficient, power_iterations)
         if not isinstance(layer, SUPPORTED_LAYERS):
             raise ValueError(
@@ -105,7 +108,7 @@ class SpectralNormalization(keras.layers.Wrapper):
         self.coefficient = float(coefficient)
         self.power_iterations = power_iterations
 
-    def build(self, input_shape):
+    def build(self, input_shape: tuple[int | None, ...]) -> None:
         super().build(input_shape)
         kernel = self.layer.kernel
         if not isinstance(kernel, keras.Variable) or not keras.backend.is_float_dtype(
@@ -126,7 +129,7 @@ class SpectralNormalization(keras.layers.Wrapper):
             dtype="float32",
         )
 
-    def call(self, inputs, training=None):
+    def call(self, inputs: Tensor, training: bool | None = None) -> Tensor:
         kernel_variable = self.layer.kernel
         kernel = ops.cast(kernel_variable, "float32")
         vector_u = ops.convert_to_tensor(self.vector_u)
@@ -145,13 +148,17 @@ class SpectralNormalization(keras.layers.Wrapper):
         with keras.StatelessScope(state_mapping=mapping, initialize_variables=False):
             return self.layer(inputs)
 
-    def compute_output_shape(self, input_shape):
+    def compute_output_shape(
+        self, input_shape: tuple[int | None, ...]
+    ) -> tuple[int | None, ...]:
         return self.layer.compute_output_shape(input_shape)
 
-    def compute_output_spec(self, inputs, *args, **kwargs):
+    def compute_output_spec(
+        self, inputs: keras.KerasTensor, *args: Any, **kwargs: Any
+    ) -> keras.KerasTensor:
         return self.layer.compute_output_spec(inputs)
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {
             **super().get_config(),
             "coefficient": self.coefficient,
@@ -159,7 +166,9 @@ class SpectralNormalization(keras.layers.Wrapper):
         }
 
 
-def power_iteration(operator, kernel, vector_u, iterations):
+def power_iteration(
+    operator: _LinearOperator, kernel: Tensor, vector_u: Tensor, iterations: int
+) -> tuple[Tensor, Tensor]:
     """`iterations` power-iteration steps: unit vectors `(u, v)`, `u ~ A v`.
 
     `v` is the estimate of the top right singular vector (input space) and
@@ -172,7 +181,13 @@ def power_iteration(operator, kernel, vector_u, iterations):
     return ops.stop_gradient(vector_u), ops.stop_gradient(vector_v)
 
 
-def soft_bound(operator, kernel, vector_u, vector_v, coefficient):
+def soft_bound(
+    operator: _LinearOperator,
+    kernel: Tensor,
+    vector_u: Tensor,
+    vector_v: Tensor,
+    coefficient: float,
+) -> Tensor:
     """`kernel / max(1, sigma / coefficient)`, with `sigma = <u, A v>`.
 
     `sigma` is a differentiable function of `kernel` (the vectors are
@@ -183,7 +198,7 @@ def soft_bound(operator, kernel, vector_u, vector_v, coefficient):
     return kernel / ops.maximum(1.0, sigma / coefficient)
 
 
-def _unit(x):
+def _unit(x: Tensor) -> Tensor:
     return x / (ops.sqrt(ops.sum(ops.square(x))) + _EPSILON)
 
 
@@ -195,7 +210,9 @@ class _LinearOperator:
     convolution maps several input sizes to one output size).
     """
 
-    def __init__(self, layer, input_shape):
+    def __init__(
+        self, layer: keras.layers.Layer, input_shape: tuple[int | None, ...]
+    ) -> None:
         self.is_dense = isinstance(layer, keras.layers.Dense)
         if self.is_dense:
             self.output_shape = (1, layer.units)
@@ -230,7 +247,7 @@ class _LinearOperator:
         )
         self.group_mask = _group_mask(layer, input_shape)
 
-    def apply(self, vector, kernel):
+    def apply(self, vector: Tensor, kernel: Tensor) -> Tensor:
         if self.is_dense:
             return ops.matmul(vector, kernel)
         kernel = self._full_kernel(kernel)
@@ -248,7 +265,7 @@ class _LinearOperator:
             dilation_rate=self.dilation_rate,
         )
 
-    def transpose(self, vector, kernel):
+    def transpose(self, vector: Tensor, kernel: Tensor) -> Tensor:
         if self.is_dense:
             return ops.matmul(vector, ops.transpose(kernel))
         result = ops.conv_transpose(
@@ -267,7 +284,7 @@ class _LinearOperator:
             )
         return result
 
-    def _full_kernel(self, kernel):
+    def _full_kernel(self, kernel: Tensor) -> Tensor:
         if self.group_mask is None:
             return kernel
         in_channels, out_channels = self.group_mask.shape
@@ -363,7 +380,7 @@ def spectral_normalize(
         )
     copies = []
 
-    def copy(layer):
+    def copy(layer: keras.layers.Layer) -> keras.layers.Layer:
         new = layer.__class__.from_config(layer.get_config())
         copies.append((layer, new))
         if isinstance(layer, SUPPORTED_LAYERS):
@@ -378,7 +395,7 @@ def spectral_normalize(
     return normalized
 
 
-def _check_arguments(coefficient, power_iterations):
+def _check_arguments(coefficient: Any, power_iterations: Any) -> None:
     if isinstance(coefficient, bool) or not isinstance(coefficient, (int, float)) or not (
         coefficient > 0
     ):

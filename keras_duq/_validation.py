@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import keras
 
+from keras_duq._typing import Tensor
 
-def check_int(name: str, value, minimum: int) -> None:
+
+def check_int(name: str, value: Any, minimum: int) -> None:
     """Raises a `ValueError` unless `value` is an int >= `minimum`."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(
@@ -14,7 +18,7 @@ def check_int(name: str, value, minimum: int) -> None:
         )
 
 
-def check_non_negative(name: str, value) -> None:
+def check_non_negative(name: str, value: Any) -> None:
     """Raises a `ValueError` unless `value` is a number >= 0."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
         raise ValueError(
@@ -22,7 +26,7 @@ def check_non_negative(name: str, value) -> None:
         )
 
 
-def check_positive_int(name: str, value) -> None:
+def check_positive_int(name: str, value: Any) -> None:
     """Raises a `ValueError` unless `value` is an integer >= 1."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(
@@ -76,7 +80,7 @@ def _label_formats(num_classes: int) -> str:
     )
 
 
-def label_shape_message(num_classes: int, shape) -> str:
+def label_shape_message(num_classes: int, shape: Any) -> str:
     return (
         f"Expected labels of shape {_label_formats(num_classes)} for this "
         f"model with num_classes={num_classes}. Received: labels of shape "
@@ -85,7 +89,7 @@ def label_shape_message(num_classes: int, shape) -> str:
     )
 
 
-def own_loss_message(loss) -> str:
+def own_loss_message(loss: Any) -> str:
     return (
         "DUQModel computes its own loss (binary cross-entropy on the kernel "
         "values plus the gradient penalty). Remove `loss` from `compile()`. "
@@ -93,14 +97,14 @@ def own_loss_message(loss) -> str:
     )
 
 
-def label_dtype_message(num_classes: int, dtype) -> str:
+def label_dtype_message(num_classes: int, dtype: Any) -> str:
     return (
         f"Expected numeric labels: {_label_formats(num_classes)}. Received: "
         f"labels of dtype {dtype}."
     )
 
 
-def standardize_inputs(specs, x):
+def standardize_inputs(specs: Any, x: Any) -> Any:
     """Casts inputs declared floating point to their declared dtype.
 
     Integer images (`uint8`) must become floats before the penalty's input
@@ -108,7 +112,7 @@ def standardize_inputs(specs, x):
     """
     from keras import ops
 
-    def cast(spec, value):
+    def cast(spec: keras.KerasTensor, value: Any) -> Tensor:
         value = ops.convert_to_tensor(value)
         dtype = keras.backend.standardize_dtype(value.dtype)
         if is_float(spec.dtype) and dtype != spec.dtype:
@@ -123,6 +127,6 @@ def standardize_inputs(specs, x):
         return keras.tree.map_structure(ops.convert_to_tensor, x)
 
 
-def is_float(dtype) -> bool:
+def is_float(dtype: Any) -> bool:
     """Whether `dtype` (any form Keras accepts) is a floating-point type."""
     return keras.backend.is_float_dtype(keras.backend.standardize_dtype(dtype))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import keras
 
 from keras_duq._duq_model import DEFAULT_GRADIENT_PENALTY
@@ -12,13 +15,15 @@ from keras_duq._duq_output import DUQOutput
 
 
 def wrap(
-    backbone,
+    backbone: keras.Model | keras.layers.Layer,
     num_classes: int,
     *,
     centroid_dims: int | None = None,
     length_scale: float = 0.1,
     momentum: float = 0.999,
-    kernel_initializer=DEFAULT_KERNEL_INITIALIZER,
+    kernel_initializer: str | keras.initializers.Initializer = (
+        DEFAULT_KERNEL_INITIALIZER
+    ),
     gradient_penalty: float = DEFAULT_GRADIENT_PENALTY,
     penalty: str = "two_sided",
     penalty_interval: int = 1,
@@ -27,7 +32,7 @@ def wrap(
     trainable_length_scale: bool = False,
     bias_correction: bool = False,
     health_checks: bool = True,
-    input_shape=None,
+    input_shape: Sequence[int | None] | None = None,
     name: str | None = None,
 ) -> DUQModel:
     """Turns a Keras backbone into a DUQ model.
@@ -133,7 +138,10 @@ def wrap(
     )
 
 
-def _model_inputs(backbone, input_shape):
+def _model_inputs(
+    backbone: keras.Model | keras.layers.Layer,
+    input_shape: Sequence[int | None] | None,
+) -> Any:
     """Fresh `keras.Input`s matching the backbone's declared inputs."""
     if input_shape is not None:
         return keras.Input(shape=tuple(input_shape))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import sys
+from typing import Any
 
 import keras
 import numpy as np
@@ -81,13 +82,13 @@ class OODEvaluation(keras.callbacks.Callback):
 
     def __init__(
         self,
-        in_distribution,
-        out_of_distribution,
+        in_distribution: Any,
+        out_of_distribution: Any,
         every_n_epochs: int = 5,
         method: str = "max",
         prefix: str = "ood_",
         batch_size: int = 256,
-    ):
+    ) -> None:
         super().__init__()
         check_int("every_n_epochs", every_n_epochs, minimum=1)
         if method not in CERTAINTY_METHODS:
@@ -110,7 +111,7 @@ class OODEvaluation(keras.callbacks.Callback):
         self.batch_size = batch_size
         self.history = {}
 
-    def on_epoch_end(self, epoch, logs=None):
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         last_epoch = self.params.get("epochs") if self.params else None
         if (epoch + 1) % self.every_n_epochs and epoch + 1 != last_epoch:
             return
@@ -121,7 +122,7 @@ class OODEvaluation(keras.callbacks.Callback):
         for key, value in results.items():
             self.history.setdefault(key, []).append(value)
 
-    def evaluate(self) -> dict:
+    def evaluate(self) -> dict[str, float]:
         """Computes the metrics now, with the current weights.
 
         Returns:
@@ -145,7 +146,7 @@ class OODEvaluation(keras.callbacks.Callback):
                 )
         return {self.prefix + key: value for key, value in results.items()}
 
-    def _predict(self, data):
+    def _predict(self, data: Any) -> tuple[np.ndarray, np.ndarray | None]:
         """Scores `(n, classes)` and labels `(n,)` (or `None`) for `data`."""
         if not _is_dataset(data):
             x, y = data if isinstance(data, tuple) else (data, None)

@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import gzip
 import os
+from typing import TYPE_CHECKING
 
 import keras
 import numpy as np
+from numpy.typing import ArrayLike
+
+if TYPE_CHECKING:
+    import tensorflow as tf
 
 # Pixel mean and standard deviation of the FashionMNIST training images,
 # scaled to [0, 1] (the values of the paper's reference code; measured on the
@@ -43,7 +48,7 @@ _IDX_DTYPES = {
 _GZIP_MAGIC = b"\x1f\x8b"
 
 
-def read_idx(path) -> np.ndarray:
+def read_idx(path: str | os.PathLike) -> np.ndarray:
     """Reads an IDX file, the format of the original (Fashion-)MNIST files.
 
     Gzip-compressed files (`.gz`) are recognised by their content and
@@ -96,7 +101,9 @@ def read_idx(path) -> np.ndarray:
     return array.astype(dtype.newbyteorder("="))
 
 
-def load_fashion_mnist(path=None):
+def load_fashion_mnist(
+    path: str | os.PathLike | None = None,
+) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
     """Loads FashionMNIST, the paper's in-distribution data set.
 
     Example:
@@ -125,7 +132,9 @@ def load_fashion_mnist(path=None):
     return (x_train, y_train), (x_test, y_test)
 
 
-def load_mnist_test(path=None):
+def load_mnist_test(
+    path: str | os.PathLike | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
     """Loads the MNIST test set, the paper's out-of-distribution data.
 
     Example:
@@ -153,7 +162,9 @@ def load_mnist_test(path=None):
 
 
 def normalize(
-    images, mean: float = FASHION_MNIST_MEAN, std: float = FASHION_MNIST_STD
+    images: ArrayLike,
+    mean: float = FASHION_MNIST_MEAN,
+    std: float = FASHION_MNIST_STD,
 ) -> np.ndarray:
     """Scales images to `[0, 1]`, standardises them and adds a channel axis.
 
@@ -206,14 +217,14 @@ def normalize(
 
 
 def make_dataset(
-    x,
-    y=None,
+    x: ArrayLike,
+    y: ArrayLike | None = None,
     batch_size: int = 128,
     shuffle: bool = False,
     seed: int | None = None,
     repeat: bool = False,
     cache: bool = True,
-):
+) -> tf.data.Dataset | keras.utils.PyDataset:
     """A batched `tf.data` pipeline over in-memory arrays.
 
     Cache, then shuffle (reshuffled every epoch), batch, optionally repeat,
@@ -306,7 +317,15 @@ class _ArrayBatches(keras.utils.PyDataset):
     Pass `p` is shuffled by a generator seeded with `(seed, p)`.
     """
 
-    def __init__(self, x, y=None, batch_size=128, shuffle=False, seed=None, repeat=False):
+    def __init__(
+        self,
+        x: ArrayLike,
+        y: ArrayLike | None = None,
+        batch_size: int = 128,
+        shuffle: bool = False,
+        seed: int | None = None,
+        repeat: bool = False,
+    ) -> None:
         super().__init__()
         self.x, self.y = np.asarray(x), None if y is None else np.asarray(y)
         if not len(self.x):
@@ -318,27 +337,27 @@ class _ArrayBatches(keras.utils.PyDataset):
         self._cached = (None, None)  # (pass, order): one permutation per pass
 
     @property
-    def num_batches(self):
+    def num_batches(self) -> int | None:
         return None if self.repeat else self.batches_per_pass
 
-    def __len__(self):
+    def __len__(self) -> int:
         if self.repeat:
             raise TypeError(
                 "A repeated dataset has no length; pass `steps_per_epoch` to `fit`."
             )
         return self.batches_per_pass
 
-    def __getitem__(self, index):
+    def __getitem__(self, index: int) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
         passes, index = divmod(index, self.batches_per_pass)
         order = self._order(self._pass + passes)
         rows = order[index * self.batch_size : (index + 1) * self.batch_size]
         return self.x[rows] if self.y is None else (self.x[rows], self.y[rows])
 
-    def on_epoch_end(self):
+    def on_epoch_end(self) -> None:
         if not self.repeat:
             self._pass += 1
 
-    def _order(self, pass_index):
+    def _order(self, pass_index: int) -> np.ndarray:
         if not self.shuffle:
             return np.arange(len(self.x))
         if self._cached[0] != pass_index:
@@ -347,7 +366,7 @@ class _ArrayBatches(keras.utils.PyDataset):
         return self._cached[1]
 
 
-def _files_in(folder, names):
+def _files_in(folder: str | os.PathLike, names: tuple[str, ...]) -> list[str]:
     folder = os.fspath(folder)
     paths = [os.path.join(folder, name) for name in names]
     missing = [name for name, p in zip(names, paths) if not os.path.isfile(p)]

@@ -32,12 +32,16 @@ from __future__ import annotations
 
 import json
 import math
+import os
+from typing import Any
 
 import keras
 import numpy as np
 from keras import ops
+from numpy.typing import ArrayLike
 from sklearn import metrics as sk_metrics
 
+from keras_duq._typing import Tensor
 from keras_duq._validation import check_int
 
 __all__ = [
@@ -64,7 +68,7 @@ CALIBRATION_STRATEGIES = ("uniform", "quantile")
 _TPR_LEVEL = 0.95
 
 
-def certainty_scores(scores, method: str = "max") -> np.ndarray:
+def certainty_scores(scores: ArrayLike, method: str = "max") -> np.ndarray:
     """Per-example certainty from per-class scores.
 
     Higher always means more certain, so that every metric in `keras_duq`
@@ -121,7 +125,9 @@ def certainty_scores(scores, method: str = "max") -> np.ndarray:
     return np.sum(scores * np.log(safe), axis=1)
 
 
-def ood_metrics(in_distribution_certainty, out_of_distribution_certainty) -> dict:
+def ood_metrics(
+    in_distribution_certainty: ArrayLike, out_of_distribution_certainty: ArrayLike
+) -> dict[str, float]:
     """How well certainty separates in-distribution from OoD examples.
 
     Convention: out-of-distribution (OoD) is the *positive* class and the
@@ -172,7 +178,7 @@ def ood_metrics(in_distribution_certainty, out_of_distribution_certainty) -> dic
     }
 
 
-def misclassification_auroc(certainty, correct) -> float:
+def misclassification_auroc(certainty: ArrayLike, correct: ArrayLike) -> float:
     """AUROC of certainty separating correct from wrong predictions.
 
     Correct predictions are the positive class: `1.0` means every correct
@@ -206,8 +212,11 @@ def misclassification_auroc(certainty, correct) -> float:
 
 
 def rejection_curve(
-    in_certainty, in_correct, ood_certainty=None, num_points: int = 101
-) -> dict:
+    in_certainty: ArrayLike,
+    in_correct: ArrayLike,
+    ood_certainty: ArrayLike | None = None,
+    num_points: int = 101,
+) -> dict[str, np.ndarray]:
     """Accuracy on the kept data as the least certain examples are rejected.
 
     The paper's Figure 6: in-distribution and (optionally) OoD test examples
@@ -275,8 +284,11 @@ def rejection_curve(
 
 
 def calibration_curve(
-    confidence, correct, num_bins: int = 15, strategy: str = "uniform"
-) -> dict:
+    confidence: ArrayLike,
+    correct: ArrayLike,
+    num_bins: int = 15,
+    strategy: str = "uniform",
+) -> dict[str, np.ndarray]:
     """Per-bin accuracy and mean confidence: the data of a reliability diagram.
 
     Examples are grouped into bins by confidence; a calibrated model is right
@@ -353,7 +365,10 @@ def calibration_curve(
 
 
 def expected_calibration_error(
-    confidence, correct, num_bins: int = 15, strategy: str = "uniform"
+    confidence: ArrayLike,
+    correct: ArrayLike,
+    num_bins: int = 15,
+    strategy: str = "uniform",
 ) -> float:
     """Expected calibration error (ECE): how far confidence is from accuracy.
 
@@ -401,7 +416,9 @@ def expected_calibration_error(
     return float(np.sum(weights * gaps))
 
 
-def risk_coverage_curve(confidence, correct) -> dict:
+def risk_coverage_curve(
+    confidence: ArrayLike, correct: ArrayLike
+) -> dict[str, np.ndarray]:
     """Error rate among the most certain examples as more are accepted.
 
     Selective prediction answers only the examples it is most certain of.
@@ -436,7 +453,7 @@ def risk_coverage_curve(confidence, correct) -> dict:
     return {"coverage": accepted / len(confidence), "risk": risk}
 
 
-def aurc(confidence, correct) -> float:
+def aurc(confidence: ArrayLike, correct: ArrayLike) -> float:
     """Area under the risk-coverage curve (AURC, Geifman et al. 2019).
 
     The mean of the risk over the coverages `1/n, ..., 1` of
@@ -463,7 +480,9 @@ def aurc(confidence, correct) -> float:
     return float(np.mean(risk_coverage_curve(confidence, correct)["risk"]))
 
 
-def risk_at_coverage(confidence, correct, coverage: float = 0.9) -> float:
+def risk_at_coverage(
+    confidence: ArrayLike, correct: ArrayLike, coverage: float = 0.9
+) -> float:
     """Error rate on the most certain `coverage` fraction of the examples.
 
     The `ceil(coverage * n)` most certain examples are accepted (ties in
@@ -493,7 +512,7 @@ def risk_at_coverage(confidence, correct, coverage: float = 0.9) -> float:
     return float(curve["risk"][accepted - 1])
 
 
-def certainty_threshold(certainty, keep: float = 0.95) -> float:
+def certainty_threshold(certainty: ArrayLike, keep: float = 0.95) -> float:
     """The certainty threshold that accepts a target share of examples.
 
     Returns the largest `t` such that `certainty >= t` holds for at least
@@ -570,7 +589,9 @@ class CertaintyCalibrator:
             in `[0, 1]`.
     """
 
-    def __init__(self, thresholds=None, values=None) -> None:
+    def __init__(
+        self, thresholds: ArrayLike | None = None, values: ArrayLike | None = None
+    ) -> None:
         if (thresholds is None) != (values is None):
             raise ValueError(
                 "Pass both `thresholds` and `values` (a fitted map, as in "
@@ -587,7 +608,7 @@ class CertaintyCalibrator:
         """Whether the map is set (by `fit` or the constructor)."""
         return self.thresholds is not None
 
-    def fit(self, certainty, correct) -> "CertaintyCalibrator":
+    def fit(self, certainty: ArrayLike, correct: ArrayLike) -> CertaintyCalibrator:
         """Fits the map on validation data; returns the calibrator.
 
         Args:
@@ -621,7 +642,7 @@ class CertaintyCalibrator:
         )
         return self
 
-    def __call__(self, certainty):
+    def __call__(self, certainty: ArrayLike | Tensor) -> np.ndarray | Tensor:
         """The probability that each prediction is right.
 
         Args:
@@ -643,7 +664,7 @@ class CertaintyCalibrator:
             return ops.convert_to_numpy(probability)
         return probability
 
-    def get_config(self) -> dict:
+    def get_config(self) -> dict[str, Any]:
         """The map as a JSON-serialisable dict (lists of floats, or None)."""
         if not self.fitted:
             return {"thresholds": None, "values": None}
@@ -653,11 +674,11 @@ class CertaintyCalibrator:
         }
 
     @classmethod
-    def from_config(cls, config: dict) -> "CertaintyCalibrator":
+    def from_config(cls, config: dict[str, Any]) -> CertaintyCalibrator:
         """Rebuilds a calibrator from `get_config()`."""
         return cls(**config)
 
-    def save(self, path: str) -> None:
+    def save(self, path: str | os.PathLike) -> None:
         """Writes the fitted map to a JSON file at `path`."""
         if not self.fitted:
             raise ValueError(
@@ -670,7 +691,7 @@ class CertaintyCalibrator:
             )
 
     @classmethod
-    def load(cls, path: str) -> "CertaintyCalibrator":
+    def load(cls, path: str | os.PathLike) -> CertaintyCalibrator:
         """Reads a calibrator written by `save(path)`."""
         with open(path) as file:
             saved = json.load(file)

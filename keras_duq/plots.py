@@ -27,19 +27,23 @@ figure.savefig("duq.png")
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 from sklearn import metrics as sk_metrics
 
 from keras_duq import evaluation as _evaluation
 from keras_duq._validation import check_int
 
 if TYPE_CHECKING:
+    import keras
     import matplotlib.axes
 
 
-def _axes(ax, figsize):
+def _axes(
+    ax: matplotlib.axes.Axes | None, figsize: tuple[float, float]
+) -> tuple[matplotlib.axes.Axes, bool]:
     """The caller's axes, or those of a new pyplot figure; and which it was.
 
     A new figure goes through pyplot, as `plt.subplots` would make it, so it
@@ -59,15 +63,15 @@ def _axes(ax, figsize):
 
 
 def plot_certainty_map(
-    model,
-    x_train,
-    y_train,
-    x_range=(-3.5, 4.5),
-    y_range=(-3.0, 3.5),
+    model: keras.Model,
+    x_train: np.ndarray,
+    y_train: ArrayLike,
+    x_range: tuple[float, float] = (-3.5, 4.5),
+    y_range: tuple[float, float] = (-3.0, 3.5),
     resolution: int = 200,
     title: str | None = None,
-    ax: "matplotlib.axes.Axes | None" = None,
-) -> "matplotlib.axes.Axes":
+    ax: matplotlib.axes.Axes | None = None,
+) -> matplotlib.axes.Axes:
     """Certainty (max kernel value) of a 2-D model over a grid, as in Figure 1.
 
     Yellow is certain, dark blue uncertain; the training points are drawn on
@@ -121,12 +125,12 @@ def plot_certainty_map(
 
 
 def plot_roc_curve(
-    in_certainty,
-    ood_certainty,
+    in_certainty: ArrayLike,
+    ood_certainty: ArrayLike,
     label: str | None = None,
     title: str | None = None,
-    ax: "matplotlib.axes.Axes | None" = None,
-) -> "matplotlib.axes.Axes":
+    ax: matplotlib.axes.Axes | None = None,
+) -> matplotlib.axes.Axes:
     """ROC curve of separating in-distribution from OoD data, as in Figure 5.
 
     Uses the convention of `ood_metrics`: OoD is the positive class and the
@@ -175,15 +179,15 @@ def plot_roc_curve(
 
 
 def plot_rejection_curve(
-    curve: dict | None = None,
+    curve: dict[str, np.ndarray] | None = None,
     *,
-    in_certainty=None,
-    in_correct=None,
-    ood_certainty=None,
+    in_certainty: ArrayLike | None = None,
+    in_correct: ArrayLike | None = None,
+    ood_certainty: ArrayLike | None = None,
     label: str | None = None,
     title: str | None = None,
-    ax: "matplotlib.axes.Axes | None" = None,
-) -> "matplotlib.axes.Axes":
+    ax: matplotlib.axes.Axes | None = None,
+) -> matplotlib.axes.Axes:
     """Accuracy on the kept data against the rejected fraction (Figure 6).
 
     Draws the model's curve and the oracle ("theoretical maximum") of
@@ -272,15 +276,15 @@ def plot_rejection_curve(
 
 
 def plot_certainty_histograms(
-    in_certainty,
-    ood_certainty,
+    in_certainty: ArrayLike,
+    ood_certainty: ArrayLike,
     bins: int = 50,
     in_label: str = "in distribution",
     ood_label: str = "out of distribution",
     xlabel: str = "certainty",
     title: str | None = None,
-    ax: "matplotlib.axes.Axes | None" = None,
-) -> "matplotlib.axes.Axes":
+    ax: matplotlib.axes.Axes | None = None,
+) -> matplotlib.axes.Axes:
     """Normalised histograms of the certainty on in-distribution and OoD data.
 
     As in the paper's Figure 7, each histogram is a density (area 1), so sets
@@ -347,14 +351,14 @@ def plot_certainty_histograms(
 
 
 def plot_reliability_diagram(
-    confidence,
-    correct,
+    confidence: ArrayLike,
+    correct: ArrayLike,
     num_bins: int = 15,
     strategy: str = "uniform",
     label: str | None = None,
     title: str | None = None,
-    ax: "matplotlib.axes.Axes | None" = None,
-) -> "matplotlib.axes.Axes":
+    ax: matplotlib.axes.Axes | None = None,
+) -> matplotlib.axes.Axes:
     """Reliability diagram: accuracy against confidence, bin by bin.
 
     Blue bars are the accuracy in each bin of `calibration_curve`; red bars
@@ -432,7 +436,13 @@ def plot_reliability_diagram(
     return _finish(axes, created, title, legend_loc="best")
 
 
-def _finish(axes, created, title, legend_loc, **legend_kwargs):
+def _finish(
+    axes: matplotlib.axes.Axes,
+    created: bool,
+    title: str | None,
+    legend_loc: str,
+    **legend_kwargs: Any,
+) -> matplotlib.axes.Axes:
     """Legend, optional title and a tight layout: the end of every plot."""
     axes.legend(loc=legend_loc, **legend_kwargs)
     if title:

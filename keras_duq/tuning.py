@@ -48,12 +48,14 @@ import random
 import time
 import warnings
 import weakref
+from collections.abc import Callable
+from collections.abc import Iterator
+from collections.abc import Sequence
 from typing import Any
-from typing import Callable
-from typing import Sequence
 
 import keras
 import numpy as np
+from numpy.typing import ArrayLike
 
 from keras_duq._validation import NON_FINITE_TRAINING_MESSAGE
 from keras_duq._validation import check_int
@@ -111,12 +113,12 @@ class SearchResult:
     ```
     """
 
-    best: dict
-    trials: list
+    best: dict[str, float]
+    trials: list[dict[str, Any]]
     seed: int
 
     @property
-    def best_trial(self) -> dict:
+    def best_trial(self) -> dict[str, Any]:
         """The trial whose hyperparameters are `best`."""
         for trial in self.trials:
             if all(trial[key] == self.best[key] for key in _SEARCHED):
@@ -143,10 +145,10 @@ class SearchResult:
 
 def search(
     build_backbone: Callable[[], Any],
-    x,
-    y,
+    x: Any,
+    y: ArrayLike,
     *,
-    validation_data: tuple,
+    validation_data: tuple[Any, ArrayLike],
     num_classes: int,
     length_scales: Sequence[float] | None = None,
     gradient_penalties: Sequence[float] | None = None,
@@ -157,7 +159,7 @@ def search(
     accuracy_tolerance: float = DEFAULT_ACCURACY_TOLERANCE,
     seed: int | None = None,
     verbose: int = 1,
-    **wrap_kwargs,
+    **wrap_kwargs: Any,
 ) -> SearchResult:
     """Chooses the length scale and the gradient penalty on validation data.
 
@@ -327,7 +329,7 @@ class _Trainer:
     # returned twice is recognised (a live object is the one referenced).
     backbones: list = dataclasses.field(default_factory=list)
 
-    def model(self, length_scale, gradient_penalty):
+    def model(self, length_scale: float, gradient_penalty: float) -> keras.Model:
         backbone = self.build_backbone()
         if any(reference() is backbone for reference in self.backbones):
             raise ValueError(
@@ -360,7 +362,7 @@ class _Trainer:
         model.compile(optimizer=optimizer)
         return model
 
-    def check(self, length_scale, gradient_penalty):
+    def check(self, length_scale: float, gradient_penalty: float) -> None:
         """Builds one model and predicts two validation examples, so that a
         backbone, `wrap` argument or input that does not fit fails before
         any training and before the seeds are set."""
@@ -370,7 +372,9 @@ class _Trainer:
             verbose=0,
         )
 
-    def run(self, stage, length_scale, gradient_penalty):
+    def run(
+        self, stage: int, length_scale: float, gradient_penalty: float
+    ) -> dict[str, Any]:
         keras.utils.set_random_seed(self.seed)
         start = time.perf_counter()
         model = self.model(length_scale, gradient_penalty)
@@ -405,12 +409,12 @@ class _Trainer:
 
 
 class _RetracingFilter(logging.Filter):
-    def filter(self, record):
+    def filter(self, record: logging.LogRecord) -> bool:
         return "triggered tf.function retracing" not in record.getMessage()
 
 
 @contextlib.contextmanager
-def _quiet_retracing():
+def _quiet_retracing() -> Iterator[None]:
     """Drops TensorFlow's retracing warning while the search runs.
 
     Each trial's new model traces its own `predict` function once, which
