@@ -363,6 +363,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_jax_backend():
     root = Path(__file__).resolve().parents[1]
     environment = {**os.environ, "KERAS_BACKEND": "jax", "PYTHONPATH": str(root)}

@@ -77,6 +77,7 @@ def test_subclassed_backbone_needs_input_shape():
     _train_one_step(model, x, 2)
 
 
+@pytest.mark.slow
 def test_keras_applications_backbone():
     backbone = keras.applications.ResNet50(
         weights=None, include_top=False, pooling="avg", input_shape=(32, 32, 3)
