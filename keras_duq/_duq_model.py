@@ -356,7 +356,6 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
         verbose=False,
         input_signature=None,
         certainty_threshold: float | None = None,
-        calibrator=None,
         **kwargs,
     ):
         """Exports a SavedModel for TF Serving (Keras's `Model.export`).
@@ -371,10 +370,7 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
         - `predictions`: `(batch,)` int64 predicted class (argmax);
         - `certainty`: `(batch,)` float32 max kernel value;
         - `accept`: `(batch,)` bool, `certainty >= certainty_threshold`
-          (compared in float32), only with `certainty_threshold`;
-        - `probability_correct`: `(batch,)` float32, the calibrator's
-          probability that the prediction is correct, only with
-          `calibrator`.
+          (compared in float32), only with `certainty_threshold`.
 
         The same signature is written from the TensorFlow and the JAX
         backend (JAX through `jax2tf`). Loading it needs only TensorFlow
@@ -402,14 +398,11 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
                 (hundreds of lines for a large backbone). Defaults to
                 `False`.
             input_signature: optional structure of `tf.TensorSpec` (or
-                `keras.InputSpec`) for the inputs; defaults to the model's inputs with a free batch
-                size and the names above.
+                `keras.InputSpec`) for the inputs; defaults to the model's
+                inputs with a free batch size and the names above.
             certainty_threshold: optional float in `[0, 1]`; adds the
                 `accept` output. Choose it on in-distribution validation
                 data, e.g. the certainty that keeps 95% of it.
-            calibrator: optional fitted
-                `keras_duq.evaluation.CertaintyCalibrator`; adds the
-                `probability_correct` output.
             **kwargs: on JAX, Keras's `is_static` and `jax2tf_kwargs`;
                 for other formats, passed to `keras.Model.export`. Any
                 other keyword raises a `ValueError`.
@@ -417,7 +410,7 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
         from keras_duq import _export
 
         if format != "tf_saved_model":
-            _export.check_no_serving_options(format, certainty_threshold, calibrator)
+            _export.check_no_serving_options(format, certainty_threshold)
             if input_signature is None:
                 # Keras infers no signature for a model subclass until called.
                 input_signature = [
@@ -432,14 +425,13 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
                 input_signature=input_signature,
                 **kwargs,
             )
-        _export.check_export_options(certainty_threshold, calibrator, kwargs)
+        _export.check_export_options(certainty_threshold, kwargs)
         _export.export_saved_model(
             self,
             filepath,
             verbose,
             input_signature,
             certainty_threshold=certainty_threshold,
-            calibrator=calibrator,
             **kwargs,
         )
 
