@@ -356,6 +356,7 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
         verbose=False,
         input_signature=None,
         certainty_threshold: float | None = None,
+        calibrator=None,
         **kwargs,
     ):
         """Exports a SavedModel for TF Serving (Keras's `Model.export`).
@@ -370,7 +371,10 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
         - `predictions`: `(batch,)` int64 predicted class (argmax);
         - `certainty`: `(batch,)` float32 max kernel value;
         - `accept`: `(batch,)` bool, `certainty >= certainty_threshold`
-          (compared in float32), only with `certainty_threshold`.
+          (compared in float32), only with `certainty_threshold`;
+        - `probability_correct`: `(batch,)` float32, the calibrator's
+          probability that the prediction is correct, only with
+          `calibrator`.
 
         The same signature is written from the TensorFlow and the JAX
         backend (JAX through `jax2tf`). Loading it needs only TensorFlow
@@ -403,6 +407,9 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
             certainty_threshold: optional float in `[0, 1]`; adds the
                 `accept` output. Choose it on in-distribution validation
                 data, e.g. the certainty that keeps 95% of it.
+            calibrator: optional fitted
+                `keras_duq.evaluation.CertaintyCalibrator`; adds the
+                `probability_correct` output.
             **kwargs: on JAX, Keras's `is_static` and `jax2tf_kwargs`;
                 for other formats, passed to `keras.Model.export`. Any
                 other keyword raises a `ValueError`.
@@ -410,7 +417,7 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
         from keras_duq import _export
 
         if format != "tf_saved_model":
-            _export.check_no_serving_options(format, certainty_threshold)
+            _export.check_no_serving_options(format, certainty_threshold, calibrator)
             if input_signature is None:
                 # Keras infers no signature for a model subclass until called.
                 input_signature = [
@@ -425,13 +432,14 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
                 input_signature=input_signature,
                 **kwargs,
             )
-        _export.check_export_options(certainty_threshold, kwargs)
+        _export.check_export_options(certainty_threshold, calibrator, kwargs)
         _export.export_saved_model(
             self,
             filepath,
             verbose,
             input_signature,
             certainty_threshold=certainty_threshold,
+            calibrator=calibrator,
             **kwargs,
         )
 

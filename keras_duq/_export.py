@@ -41,7 +41,7 @@ _TORCH_MESSAGE = (
 )
 
 
-def check_export_options(certainty_threshold, options) -> None:
+def check_export_options(certainty_threshold, calibrator, options) -> None:
     """Raises a `ValueError` for an option `export_saved_model` cannot use.
 
     Called before anything is traced or written.
@@ -72,6 +72,15 @@ def check_export_options(certainty_threshold, options) -> None:
             "for no `accept` output. Received: "
             f"`certainty_threshold={certainty_threshold!r}`"
         )
+    if calibrator is not None and (
+        not callable(calibrator) or getattr(calibrator, "fitted", True) is False
+    ):
+        raise ValueError(
+            "Expected `calibrator` to be a fitted "
+            "`keras_duq.evaluation.CertaintyCalibrator` (call its `fit` on "
+            "validation certainty and correctness first), or `None`. "
+            f"Received: `calibrator={calibrator!r}`"
+        )
     if backend not in SAVED_MODEL_BACKENDS:
         raise ValueError(
             _TORCH_MESSAGE
@@ -81,25 +90,34 @@ def check_export_options(certainty_threshold, options) -> None:
         )
 
 
-def check_no_serving_options(format, certainty_threshold) -> None:
+def check_no_serving_options(format, certainty_threshold, calibrator) -> None:
     """Raises a `ValueError` when a DUQ serving option meets another format."""
-    if certainty_threshold is not None:
+    given = {
+        name: value
+        for name, value in (
+            ("certainty_threshold", certainty_threshold),
+            ("calibrator", calibrator),
+        )
+        if value is not None
+    }
+    if given:
+        received = ", ".join(f"`{name}={value!r}`" for name, value in given.items())
         raise ValueError(
-            "`certainty_threshold` adds the `accept` output to the DUQ "
-            "serving signature, which only `format='tf_saved_model'` writes; "
-            f"`format={format!r}` exports the model's `call` (the kernel "
-            "values). Export with `format='tf_saved_model'`, or "
-            "compare the certainty with the threshold yourself. Received: "
-            f"`certainty_threshold={certainty_threshold!r}`"
+            f"{' and '.join(f'`{name}`' for name in given)}: the outputs these "
+            "add to the DUQ serving signature are written only with "
+            f"`format='tf_saved_model'`; `format={format!r}` exports the "
+            "model's `call` (the kernel values). Export with `format='tf_saved_model'`, or "
+            f"compare the certainty with the threshold yourself. Received: {received}"
         )
 
 
-def serving_outputs(model, inputs, certainty_threshold=None):
+def serving_outputs(model, inputs, certainty_threshold=None, calibrator=None):
     """The serving signature's outputs, with `keras.ops` (any backend).
 
     Returns a dict: `kernel_values`, `predictions` (argmax of the log
-    kernel values), `certainty` (their max), and `accept` when
-    `certainty_threshold` is given.
+    kernel values), `certainty` (their max), `accept` when
+    `certainty_threshold` is given and `probability_correct` when
+    `calibrator` is.
     """
     features = model.feature_extractor(inputs, training=False)
     log_kernel = model.duq_output.log_kernel_values(features)
@@ -116,6 +134,8 @@ def serving_outputs(model, inputs, certainty_threshold=None):
         outputs["accept"] = ops.greater_equal(
             certainty, ops.cast(certainty_threshold, certainty.dtype)
         )
+    if calibrator is not None:
+        outputs["probability_correct"] = ops.cast(calibrator(certainty), "float32")
     return outputs
 
 
@@ -125,6 +145,7 @@ def export_saved_model(
     verbose=False,
     input_signature=None,
     certainty_threshold=None,
+    calibrator=None,
     **options,
 ):
     """Writes `model` as a SavedModel whose `serving_default` gives DUQ outputs.
@@ -145,7 +166,7 @@ def export_saved_model(
         )
 
     def outputs_fn(inputs):
-        return serving_outputs(model, inputs, certainty_threshold)
+        return serving_outputs(model, inputs, certainty_threshold, calibrator)
 
     # This archive only converts `outputs_fn` to a `tf.function`; the
     # SavedModel is written by the second one, with the dtypes fixed.
