@@ -437,8 +437,8 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
                 (hundreds of lines for a large backbone). Defaults to
                 `False`.
             input_signature: optional structure of `tf.TensorSpec` (or
-                `keras.InputSpec`) for the inputs; defaults to the model's inputs with a free batch
-                size and the names above.
+                `keras.InputSpec`) for the inputs; defaults to the model's
+                inputs with a free batch size and the names above.
             certainty_threshold: optional float in `[0, 1]`; adds the
                 `accept` output. Choose it on in-distribution validation
                 data, e.g. the certainty that keeps 95% of it.

@@ -117,9 +117,8 @@ def check_no_serving_options(
         raise ValueError(
             f"{' and '.join(f'`{name}`' for name in given)}: the outputs these "
             "add to the DUQ serving signature are written only with "
-            "`format='tf_saved_model'`; "
-            f"writes; `format={format!r}` exports the model's `call` (the "
-            "kernel values). Export with `format='tf_saved_model'`, or "
+            f"`format='tf_saved_model'`; `format={format!r}` exports the "
+            "model's `call` (the kernel values). Export with `format='tf_saved_model'`, or "
             f"compare the certainty with the threshold yourself. Received: {received}"
         )
 

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import keras_duq
+from keras_duq.evaluation import CertaintyCalibrator
 
 BACKEND = keras.backend.backend()
 
@@ -88,7 +89,7 @@ def _trained_model():
     if BACKEND in ("tensorflow", "jax"):  # training elsewhere is not this file's concern
         model.compile(optimizer=keras.optimizers.SGD(0.05))
         model.fit(x, y, epochs=1, verbose=0)
-    return model, x
+    return model, x, y
 
 
 def _run_pytest_under(backend, test_names):
@@ -108,13 +109,17 @@ def _run_pytest_under(backend, test_names):
 
 @pytest.mark.skipif(BACKEND == "torch", reason="PyTorch has no SavedModel export here")
 def test_export_matches_predict_loaded_with_tensorflow_alone(tmp_path):
-    model, x = _trained_model()
+    model, x, y = _trained_model()
+    kernel_values = model.predict(x, verbose=0)
+    calibrator = CertaintyCalibrator().fit(
+        kernel_values.max(axis=1), kernel_values.argmax(axis=1) == y
+    )
     x = x[:9]
-    expected = model.predict(x, verbose=0)
+    expected = kernel_values[:9]
     # The median certainty itself: `>=` is tested at equality too.
     threshold = float(np.median(expected.max(axis=1)))
     path = str(tmp_path / "savedmodel")
-    model.export(path, certainty_threshold=threshold)
+    model.export(path, certainty_threshold=threshold, calibrator=calibrator)
     exports = {path: {"inputs": x}}
 
     # Multi-input models: the signature's input names.
@@ -134,7 +139,7 @@ def test_export_matches_predict_loaded_with_tensorflow_alone(tmp_path):
     assert report[path]["inputs"] == ["inputs"]
     assert report[path]["dtypes"] == {
         "kernel_values": "float32", "predictions": "int64",
-        "certainty": "float32", "accept": "bool",
+        "certainty": "float32", "accept": "bool", "probability_correct": "float32",
     }
     # jax2tf computes in XLA, not in JAX's own kernels: not bit-identical.
     tolerance = 0.0 if BACKEND == "tensorflow" else 1e-4
@@ -145,6 +150,9 @@ def test_export_matches_predict_loaded_with_tensorflow_alone(tmp_path):
         served["accept"], served["certainty"] >= np.float32(threshold)
     )
     assert 0 < served["accept"].sum() < len(x)
+    np.testing.assert_allclose(
+        served["probability_correct"], calibrator(served["certainty"]), rtol=1e-6, atol=1e-7
+    )
     for kind, names in input_names.items():
         kind_path = str(tmp_path / kind)
         assert report[kind_path]["inputs"] == names
@@ -186,7 +194,7 @@ def test_export_signature_shapes_and_quiet_export(tmp_path, capfd):
 def test_export_from_jax():
     pytest.importorskip("jax")
     printed = _run_pytest_under(
-        "jax", ["tensorflow_alone", "unknown_option", "threshold_is_checked"]
+        "jax", ["tensorflow_alone", "unknown_option", "threshold_is_checked", "unfitted_calibrator"]
     )
     assert "passed" in printed and "skipped" not in printed, printed
 
@@ -230,6 +238,14 @@ def test_export_threshold_is_checked_before_writing(tmp_path, threshold):
     assert not path.exists()
 
 
+def test_export_refuses_an_unfitted_calibrator(tmp_path):
+    model = _model()
+    path = tmp_path / "savedmodel"
+    with pytest.raises(ValueError, match=r"fitted.*Received: `calibrator="):
+        model.export(str(path), calibrator=CertaintyCalibrator())
+    assert not path.exists()
+
+
 def test_serving_options_need_the_saved_model_format(tmp_path):
     model = _model()
     with pytest.raises(ValueError, match=r"format='tf_saved_model'.*Received: `certainty_threshold=0.5`"):
@@ -245,7 +261,7 @@ def test_onnx_export_serves_kernel_values(tmp_path):
     onnxruntime = pytest.importorskip("onnxruntime")
     if BACKEND == "tensorflow":
         pytest.importorskip("tf2onnx")
-    model, x = _trained_model()
+    model, x, _ = _trained_model()
     path = str(tmp_path / "duq.onnx")
     model.export(path, format="onnx", verbose=False)
     session = onnxruntime.InferenceSession(path)
