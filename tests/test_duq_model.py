@@ -12,7 +12,6 @@ import keras_duq
 from keras_duq import _duq_model
 from keras_duq import _ops
 from keras_duq import _validation
-from keras_duq import _tensorflow_trainer
 
 
 def _data(n=64, features=4, classes=3, seed=0):
@@ -164,7 +163,7 @@ def test_bce_epsilon_stops_the_pull_of_far_centroids():
 
 
 def _penalty_term(model, x):
-    _, penalty = _tensorflow_trainer._log_kernel_and_penalty(model, x, training=False)
+    _, penalty = model._log_kernel_and_penalty(x, training=False)
     return tf.reduce_mean(penalty)
 
 
@@ -206,7 +205,7 @@ def test_no_nan_when_kernels_underflow_at_initialisation():
     x, y = _data()
     assert np.all(model.predict(x, verbose=0) == 0.0)  # fully saturated
     gradient_norm = _ops.gradient_norms(
-        [_tensorflow_trainer._log_kernel_and_penalty(model, tf.constant(x), training=True)[1]]
+        [model._log_kernel_and_penalty(tf.constant(x), training=True)[1]]
     )
     assert np.isfinite(gradient_norm.numpy()).all()
     logs = model.fit(x, y, epochs=2, batch_size=16, verbose=0).history
@@ -217,7 +216,7 @@ def test_no_nan_when_kernels_underflow_at_initialisation():
 def test_zero_penalty_skips_penalty():
     model = _compiled(gradient_penalty=0.0)
     x, y = _data()
-    _, penalty = _tensorflow_trainer._log_kernel_and_penalty(model, tf.constant(x), training=True)
+    _, penalty = model._log_kernel_and_penalty(tf.constant(x), training=True)
     assert penalty is None
     logs = model.fit(x, y, epochs=1, verbose=0).history
     assert "gradient_penalty" not in logs and "bce" in logs
@@ -573,11 +572,11 @@ def test_penalty_gradient_survives_float16_underflow(policy, monkeypatch):
     policy("mixed_float16")
     model = _tiny_input_gradient_model()
     model.optimizer.build(model.trainable_variables)
-    assert float(_tensorflow_trainer._input_gradient_scale(model)) == 2.0**15
+    assert float(model._input_gradient_scale()) == 2.0**15
     scaled = penalty_gradient(model)
     # Without the scale the float16 input gradient is all zeros, and so is
     # the penalty's gradient (measured: scaled 0.3% off, unscaled 100%).
-    monkeypatch.setattr(_tensorflow_trainer, "_input_gradient_scale", lambda model: None)
+    monkeypatch.setattr(type(model), "_input_gradient_scale", lambda model: None)
     unscaled = penalty_gradient(model)
 
     def error(gradient):
