@@ -277,7 +277,7 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
         # Keras does not restore the compilation of models that override
         # `compile` (it cannot know what the override needs); this one only
         # adds a check, so loading compiles as Keras's own would.
-        config = _portable(config)
+        config = _compat.portable_config(config)
         self.compile(**keras.saving.deserialize_keras_object(config))
         if self.built:
             self.optimizer.build(self.trainable_variables)
@@ -436,28 +436,6 @@ def _arguments_for(method, name, args, kwargs, num_classes=None):
             if dtype is not None and dtype.kind not in "iuf":
                 raise ValueError(label_dtype_message(num_classes, dtype))
     return (), _BackendTrainer.prepare_arguments(name, arguments)
-
-
-def _portable(config):
-    """`config` with backend-specific Keras classes named by their public name.
-
-    On PyTorch, Keras's optimizers are subclasses in Keras's torch backend
-    (`keras.src.backend.torch.optimizers.torch_sgd.SGD`), and a `.keras`
-    file names them so: loading it elsewhere would import PyTorch and build
-    the torch class. Their public name (`keras.optimizers.SGD`) gives the
-    current backend's class, with the same configuration and variables.
-    """
-    if isinstance(config, list):
-        return [_portable(value) for value in config]
-    if not isinstance(config, dict):
-        return config
-    config = {key: _portable(value) for key, value in config.items()}
-    module = config.get("module")
-    if isinstance(module, str) and module.startswith("keras.src.backend."):
-        name = config.get("class_name")
-        if hasattr(keras.optimizers, name or ""):
-            config.update(module="keras.optimizers", registered_name=None)
-    return config
 
 
 def _array_dtype(labels):

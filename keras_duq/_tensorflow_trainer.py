@@ -158,10 +158,10 @@ class TensorFlowTrainer(_trainer.Trainer):
         # weights. With `jit_compile` on, the step compiles its computation
         # with XLA itself (`_maybe_xla`) and keeps the checks and state
         # updates around it.
-        return self._make_without_jit_compile(super().make_train_function, force)
+        return self._make_uncompiled(super().make_train_function, force)
 
     def make_test_function(self, force=False):
-        return self._make_without_jit_compile(super().make_test_function, force)
+        return self._make_uncompiled(super().make_test_function, force)
 
     @staticmethod
     def prepare_arguments(method, arguments):

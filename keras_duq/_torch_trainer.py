@@ -112,13 +112,13 @@ class TorchTrainer(_trainer.Trainer):
     # does not spend its first call compiling.
 
     def make_train_function(self, force=False):
-        return self._make_without_jit_compile(super().make_train_function, force)
+        return self._make_uncompiled(super().make_train_function, force)
 
     def make_test_function(self, force=False):
-        return self._make_without_jit_compile(super().make_test_function, force)
+        return self._make_uncompiled(super().make_test_function, force)
 
     def make_predict_function(self, force=False):
-        return self._make_without_jit_compile(super().make_predict_function, force)
+        return self._make_uncompiled(super().make_predict_function, force)
 
     def _checked_batch(self, x, y, sample_weight):
         checked = self._check_batch(x, y, sample_weight)

@@ -295,7 +295,7 @@ class Trainer:
             if isinstance(layer, keras.layers.SpectralNormalization)
         ]
 
-    def _make_without_jit_compile(self, make, force):
+    def _make_uncompiled(self, make, force):
         """Keras's train or test function `make(force)`, never compiled whole."""
         jit_compile = self.jit_compile
         self.jit_compile = False

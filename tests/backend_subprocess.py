@@ -6,13 +6,15 @@ import subprocess
 import sys
 import textwrap
 
-PRELUDE = """
-import json, os, sys
-import numpy as np
-import keras
-import keras_duq
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
 
 def make_model(gradient_penalty=0.5, batch_norm=True, classes=3, momentum=0.9, **kwargs):
+    """A small CNN with BatchNormalization and a DUQ head, compiled with momentum SGD."""
+    import keras
+
+    import keras_duq
+
     keras.utils.set_random_seed(0)
     inputs = keras.Input((8, 8, 1))
     x = keras.layers.Conv2D(4, 3)(inputs)
@@ -25,14 +27,31 @@ def make_model(gradient_penalty=0.5, batch_norm=True, classes=3, momentum=0.9, *
     model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=momentum))
     return model
 
+
 def data(n=96, classes=3, seed=0):
+    """Random images and labels that depend on them."""
+    import numpy as np
+
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(n, 8, 8, 1)).astype("float32")
     y = (np.abs(x.mean(axis=(1, 2, 3))) * 30).astype("int64") % classes
     return x, y
 
+
 def state(model):
-    return [v.numpy().copy() for v in model.weights]
+    """Every variable of the model, as NumPy arrays."""
+    import keras
+
+    return [keras.ops.convert_to_numpy(v) for v in model.weights]
+
+
+PRELUDE = f"""
+import json, os, sys
+sys.path.insert(0, {TESTS_DIR!r})
+import numpy as np
+import keras
+import keras_duq
+from backend_subprocess import data, make_model, state
 """
 
 

@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 import keras_duq
+from backend_subprocess import data as _data
+from backend_subprocess import make_model as _model
 
 
 def _rejection_errors():
@@ -18,27 +20,6 @@ def _rejection_errors():
     import tensorflow as tf
 
     return (ValueError, tf.errors.InvalidArgumentError)
-
-
-def _model(gradient_penalty=0.5, batch_norm=True, momentum=0.9, **kwargs):
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((6, 6, 1))
-    x = keras.layers.Conv2D(4, 3)(inputs)
-    if batch_norm:
-        x = keras.layers.BatchNormalization()(x)
-    x = keras.layers.ReLU()(x)
-    x = keras.layers.Flatten()(x)
-    outputs = keras_duq.DUQOutput(3, centroid_dims=6, length_scale=0.5, momentum=0.9)(x)
-    model = keras_duq.DUQModel(inputs, outputs, gradient_penalty=gradient_penalty, **kwargs)
-    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=momentum))
-    return model
-
-
-def _data(n=64, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n, 6, 6, 1)).astype("float32")
-    y = (np.abs(x.mean(axis=(1, 2, 3))) * 30).astype("int64") % 3
-    return x, y
 
 
 def _state(model):
@@ -58,7 +39,7 @@ def policy():
 
 def test_fit_evaluate_predict_callbacks_and_keras_file(tmp_path):
     model = _model()
-    x, y = _data()
+    x, y = _data(n=64)
     stopper = keras.callbacks.EarlyStopping(monitor="val_loss", patience=10)
     history = model.fit(
         x, y, batch_size=16, epochs=2, validation_data=(x, y), verbose=0,

@@ -14,6 +14,10 @@ from keras_duq import _ops
 from keras_duq import _validation
 
 
+# What a rejected batch raises: a `ValueError`, or TensorFlow's graph error.
+REJECTED = (ValueError, tf.errors.InvalidArgumentError)
+
+
 def _data(n=64, features=4, classes=3, seed=0):
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(n, features)).astype("float32")
@@ -81,6 +85,7 @@ def _reference_loss(model, x, y, sample_weight=None):
 # ------------------------------------------------------------- the step
 
 
+@pytest.mark.requires_backend("tensorflow")  # reference by tf.GradientTape
 def test_evaluate_loss_matches_reference_formula():
     model = _compiled()
     x, y = _data()
@@ -89,6 +94,7 @@ def test_evaluate_loss_matches_reference_formula():
     assert set(logs) >= {"loss", "bce", "gradient_penalty", "accuracy"}
 
 
+@pytest.mark.requires_backend("tensorflow")  # reference by tf.GradientTape
 def test_sample_weight_weights_the_per_example_loss():
     model = _compiled()
     x, y = _data()
@@ -118,9 +124,9 @@ def test_centroids_update_once_after_the_step_in_inference_mode():
     counts = head.centroid_counts.numpy().copy()
     sums = head.centroid_sums.numpy().copy()
     model.train_on_batch(x, y)
-    features = model.feature_extractor(x, training=False).numpy()
+    features = keras.ops.convert_to_numpy(model.feature_extractor(x, training=False))
     embedded = np.einsum(
-        "bf,fdc->bdc", features, head.kernel.numpy().reshape(8, 6, 3)
+        "bf,fdc->bdc", features, keras.ops.convert_to_numpy(head.kernel).reshape(8, 6, 3)
     )
     one_hot = np.eye(3)[y]
     np.testing.assert_allclose(
@@ -167,6 +173,7 @@ def _penalty_term(model, x):
     return tf.reduce_mean(penalty)
 
 
+@pytest.mark.requires_backend("tensorflow")  # gradients by tf.GradientTape
 def test_penalty_gradient_reaches_backbone_and_matches_finite_differences():
     model = _model(gradient_penalty=1.0)
     x, _ = _data(n=8)
@@ -190,6 +197,7 @@ def test_penalty_gradient_reaches_backbone_and_matches_finite_differences():
         assert finite_difference == pytest.approx(gradient[i, j], rel=0.05, abs=1e-4)
 
 
+@pytest.mark.requires_backend("tensorflow")  # the TensorFlow step's penalty
 def test_no_nan_when_kernels_underflow_at_initialisation():
     keras.utils.set_random_seed(0)
     inputs = keras.Input((4,))
@@ -213,6 +221,7 @@ def test_no_nan_when_kernels_underflow_at_initialisation():
     assert all(np.isfinite(w.numpy()).all() for w in model.weights)
 
 
+@pytest.mark.requires_backend("tensorflow")  # the TensorFlow step's penalty
 def test_zero_penalty_skips_penalty():
     model = _compiled(gradient_penalty=0.0)
     x, y = _data()
@@ -252,6 +261,7 @@ def test_model_learns_a_separable_problem():
 # ---------------------------------------------------------------- labels
 
 
+@pytest.mark.requires_backend("tensorflow")  # reference by tf.GradientTape
 @pytest.mark.parametrize("form", ["sparse", "sparse_column", "one_hot", "float_sparse"])
 def test_label_forms_give_the_same_loss(form):
     model = _compiled()
@@ -330,6 +340,7 @@ def _rows(dataset, index):
     return np.concatenate([batch[index].numpy() for batch in dataset])
 
 
+@pytest.mark.requires_backend("tensorflow")  # tf.data feeding
 def test_arrays_reach_fit_as_keras_batches_without_autotuning():
     # With autotuning on, a whole `fit` on arrays took up to twice its steps'
     # time (benchmarks/fit_overhead.py); the batches must stay Keras's own.
@@ -389,8 +400,10 @@ def test_dict_inputs_and_uint8_images():
     history = model.fit(data, y, epochs=2, batch_size=8, verbose=0).history
     assert np.isfinite(history["gradient_penalty"]).all()
     # The penalty norm covers both inputs together.
-    prepared = _validation.standardize_inputs(model.feature_extractor.input, {k: tf.constant(v[:4]) for k, v in data.items()})
-    assert prepared["image"].dtype == tf.float32
+    prepared = _validation.standardize_inputs(
+        model.feature_extractor.input, {k: keras.ops.convert_to_tensor(v[:4]) for k, v in data.items()}
+    )
+    assert keras.backend.standardize_dtype(prepared["image"].dtype) == "float32"
 
 
 def test_integer_only_inputs_need_penalty_off():
@@ -467,6 +480,7 @@ print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in ("keras", "
 """
 
 
+@pytest.mark.requires_backend("tensorflow")  # SavedModel export
 def test_export_serves_kernel_values_predictions_and_certainty(tmp_path):
     import subprocess
     import sys
@@ -515,6 +529,7 @@ def policy():
     keras.mixed_precision.set_global_policy("float32")
 
 
+@pytest.mark.requires_backend("tensorflow")  # the TensorFlow step's penalty
 def test_mixed_float16_step_matches_float32(policy):
     x, y = _data()
     updates, penalties = {}, {}
@@ -556,6 +571,7 @@ def _tiny_input_gradient_model():
     return model
 
 
+@pytest.mark.requires_backend("tensorflow")  # gradients by tf.GradientTape
 def test_penalty_gradient_survives_float16_underflow(policy, monkeypatch):
     x, _ = _data(n=16)
     x = tf.constant(x)
@@ -656,6 +672,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.requires_backend("tensorflow")  # tf.distribute
 def test_mirrored_strategy_matches_one_device(tmp_path):
     # Two logical CPUs must be configured before TensorFlow starts: a fresh
     # process. Without the cross-replica sum in update_centroids the weights
@@ -716,6 +733,7 @@ def _free_ports(count):
     return ports
 
 
+@pytest.mark.requires_backend("tensorflow")  # tf.distribute
 def test_multi_worker_mirrored_strategy_matches_one_process(tmp_path):
     # Two worker processes on 127.0.0.1 (one CPU replica each) train on
     # halves of each global batch; both must end with the weights and
@@ -859,8 +877,8 @@ def test_non_numeric_labels_get_a_clear_error(route):
 @pytest.mark.parametrize(
     "labels, error",
     [
-        (lambda y: y + 3, tf.errors.InvalidArgumentError),
-        (lambda y: y - 1, tf.errors.InvalidArgumentError),
+        (lambda y: y + 3, REJECTED),
+        (lambda y: y - 1, REJECTED),
         (lambda y: np.eye(5, dtype="float32")[y], ValueError),
         (lambda y: np.zeros((len(y), 2, 2)), ValueError),
     ],
@@ -885,7 +903,7 @@ def test_nan_inputs_raise_and_leave_state_unchanged(jit_compile):
     model.fit(x, y, epochs=1, verbose=0)
     state = _state(model)
     x[5, 1] = np.nan
-    with pytest.raises(tf.errors.InvalidArgumentError, match="NaN"):
+    with pytest.raises(REJECTED, match="NaN"):
         model.fit(x, y, epochs=1, batch_size=64, verbose=0)
     _assert_state_equal(model, state)
 
@@ -939,7 +957,7 @@ def test_unnormalised_inputs_stop_training_with_finite_state(gradient_penalty):
     )
     model.compile(optimizer=keras.optimizers.SGD(0.01))
     x, y = _data(n=256, classes=2)
-    with pytest.raises(tf.errors.InvalidArgumentError, match="not normalised"):
+    with pytest.raises(REJECTED, match="not normalised"):
         model.fit(x * 1000.0, y, epochs=5, batch_size=32, verbose=0)
     for variable in model.weights:
         assert np.all(np.isfinite(variable.numpy())), variable.path
@@ -951,7 +969,7 @@ def test_non_finite_gradient_step_is_not_applied():
     model.fit(x, y, epochs=1, verbose=0)
     state = _state(model)
     # Finite inputs whose loss overflows to Inf in the first step.
-    with pytest.raises(tf.errors.InvalidArgumentError, match="non-finite"):
+    with pytest.raises(REJECTED, match="non-finite"):
         model.fit(x * 1e30, y, epochs=1, verbose=0)
     _assert_state_equal(model, state)
 
@@ -987,11 +1005,12 @@ def test_fractional_labels_are_rejected_and_leave_state_unchanged(jit_compile):
     x, y = _data()
     model.fit(x, y.astype("float32"), epochs=1, verbose=0)
     state = _state(model)
-    with pytest.raises(tf.errors.InvalidArgumentError, match="fractional"):
+    with pytest.raises(REJECTED, match="fractional"):
         model.fit(x, y + 0.5, epochs=1, verbose=0)
     _assert_state_equal(model, state)
 
 
+@pytest.mark.requires_backend("tensorflow")  # SavedModel export
 def test_export_input_name_is_stable_and_export_is_quiet(tmp_path, capfd):
     for _ in range(2):  # Keras numbers its input names per model built
         model = _compiled()
@@ -1015,7 +1034,7 @@ def test_failed_step_keeps_batch_norm_statistics():
     x, y = _data()
     model.fit(x, y, epochs=1, verbose=0)
     state = _state(model)
-    with pytest.raises(tf.errors.InvalidArgumentError, match="non-finite"):
+    with pytest.raises(REJECTED, match="non-finite"):
         model.fit(x * 1e30, y, epochs=1, verbose=0)
     _assert_state_equal(model, state)
 
@@ -1051,6 +1070,6 @@ def test_failed_step_keeps_spectral_normalization_kernels(placement):
     model.compile(optimizer=keras.optimizers.SGD(0.01))
     state = _state(model)
     x, _ = _data(n=32, features=4, classes=2)
-    with pytest.raises(tf.errors.InvalidArgumentError, match="not normalised"):
+    with pytest.raises(REJECTED, match="not normalised"):
         model.fit(x * 1e20, np.zeros(32, "int64"), batch_size=32, verbose=0)
     _assert_state_equal(model, state)
