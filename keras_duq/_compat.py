@@ -34,6 +34,11 @@ behaviour degrades with one warning instead of failing.
    (`Layer._flatten_layers`). Degrades to: walking `.layers` only, so the
    finiteness guard would not restore a `SpectralNormalization` kernel
    inside a custom layer.
+6. `portable_config(config)`: on PyTorch, Keras's optimizers are classes of
+   its private torch backend, and a `.keras` file names them by their
+   module there; loading the file on TensorFlow or JAX would import PyTorch
+   and build the torch class. Degrades to: nothing to rename, where a
+   future Keras names them by their public name.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ _MOMENTS_NAME = "_compute_moments"
 _ARRAY_ADAPTER_MODULE = "keras.src.trainers.data_adapters.array_data_adapter"
 _ARRAY_SLICING_MODULE = "keras.src.trainers.data_adapters.array_slicing"
 _FLATTEN_LAYERS = "_flatten_layers"
+_BACKEND_PREFIX = "keras.src.backend."
 
 _lock = threading.Lock()
 _depth = 0
@@ -258,3 +264,25 @@ def _build_from_first_replica(model, iterator, strategy):
     with strategy.scope():
         symbolic_build(data_batch=data_batch)
     return True
+
+
+def portable_config(config):
+    """`config` with backend-specific Keras classes named by their public name.
+
+    On PyTorch, Keras's optimizers are subclasses in its torch backend
+    (`keras.src.backend.torch.optimizers.torch_sgd.SGD`), and a `.keras`
+    file names them so. Their public name (`keras.optimizers.SGD`) gives the
+    current backend's class, with the same configuration and variables.
+    """
+    import keras
+
+    if isinstance(config, list):
+        return [portable_config(value) for value in config]
+    if not isinstance(config, dict):
+        return config
+    config = {key: portable_config(value) for key, value in config.items()}
+    module = config.get("module")
+    if isinstance(module, str) and module.startswith(_BACKEND_PREFIX):
+        if hasattr(keras.optimizers, config.get("class_name") or ""):
+            config.update(module="keras.optimizers", registered_name=None)
+    return config

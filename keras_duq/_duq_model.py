@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import inspect
 
 import keras
@@ -19,16 +18,41 @@ from keras_duq._validation import is_float
 from keras_duq._validation import label_dtype_message
 from keras_duq._validation import own_loss_message
 
-# One training-step module per backend; only the one in use is imported, so
-# keras_duq imports without TensorFlow on the JAX backend.
-_TRAINERS = {"tensorflow": "keras_duq._tensorflow_trainer", "jax": "keras_duq._jax_trainer"}
+
+def _backend_trainer():
+    """The step class of the Keras backend in use, chosen once at import.
+
+    Only its module is imported, so keras_duq imports without TensorFlow on
+    the JAX and PyTorch backends.
+    """
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        from keras_duq._tensorflow_trainer import TensorFlowTrainer
+
+        return TensorFlowTrainer
+    if backend == "jax":
+        from keras_duq._jax_trainer import JAXTrainer
+
+        return JAXTrainer
+    if backend == "torch":
+        from keras_duq._torch_trainer import TorchTrainer
+
+        return TorchTrainer
+    raise ValueError(
+        "keras_duq trains on the TensorFlow, JAX and PyTorch backends of "
+        "Keras. Set `KERAS_BACKEND` to `tensorflow`, `jax` or `torch` before "
+        f"importing Keras. Received: backend {backend!r}"
+    )
+
+
+_BackendTrainer = _backend_trainer()
 
 DEFAULT_GRADIENT_PENALTY = 0.1
 DEFAULT_WEIGHT_DECAY = 1e-4
 
 
 @keras.saving.register_keras_serializable(package="keras_duq")
-class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
+class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
     """A classifier trained with Deterministic Uncertainty Quantification.
 
     Built like a functional model whose output is a `DUQOutput` layer (or
@@ -36,21 +60,31 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
     training step; `predict` returns kernel values `(batch, num_classes)` in
     `[0, 1]`: the prediction is their argmax and the certainty their max.
 
-    One training step:
+    It trains on the TensorFlow, JAX and PyTorch backends of Keras, with
+    the same results (and `.keras` files that load on any of them). One
+    training step:
 
     1. Forward pass in training mode; the loss is the binary cross-entropy of
        each kernel value against the one-hot label (computed in log space),
        averaged over classes and batch, plus `gradient_penalty` times the
-       penalty on `||grad_x sum_c K_c||_2` (double backprop with a nested
-       `tf.GradientTape`), plus the coupled L2 weight decay. In the
-       penalty's forward pass, Keras's `BatchNormalization` and
-       `GroupNormalization` compute their batch statistics with a formula
-       that TensorFlow differentiates exactly twice (`tf.nn.moments`, used
-       otherwise, drops a term of the second derivative); the values are
-       the same.
+       penalty on `||grad_x sum_c K_c||_2` (double backprop: a nested
+       `tf.GradientTape`, `jax.grad` or `torch.autograd.grad` with
+       `create_graph=True`), plus the coupled L2 weight decay. The penalty's
+       gradient is exact through `BatchNormalization` and
+       `GroupNormalization` on every backend (on TensorFlow, their batch
+       statistics use a formula that TensorFlow differentiates exactly
+       twice: `tf.nn.moments`, used otherwise, drops a term of the second
+       derivative; the values are the same).
     2. Optimizer step on all trainable weights.
     3. Centroid moving-average update from the same batch, with features
        recomputed in inference mode (`DUQOutput.update_centroids`).
+
+    A batch with labels out of range or fractional, or non-finite inputs,
+    raises an error before it changes anything; so does a step whose loss,
+    gradients or centroid update are not finite (under a
+    `LossScaleOptimizer` such a step is skipped and the loss scale lowered
+    instead). Neither the weights, the centroids, the optimizer's slots nor
+    `optimizer.iterations` change.
 
     `fit` and `evaluate` log `loss` (the full objective), `bce`,
     `gradient_penalty` (the penalty term before weighting, when the penalty
@@ -75,11 +109,12 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
     penalty is on.
 
     `compile(jit_compile=...)` works as for any Keras model (Keras's
-    `"auto"`: XLA on GPUs, not on CPUs). With XLA on, the step's computation
-    (forward pass, penalty, gradients, the centroid update's features) is
-    compiled by XLA while the batch checks and the state updates stay in the
-    TensorFlow graph around it: XLA drops assertion ops without a word, and a
-    bad batch must raise before it changes anything.
+    `"auto"`: XLA on GPUs, not on CPUs). On TensorFlow with XLA on, the
+    step's computation (forward pass, penalty, gradients, the centroid
+    update's features) is compiled by XLA while the batch checks and the
+    state updates stay in the TensorFlow graph around it: XLA drops
+    assertion ops without a word, and a bad batch must raise before it
+    changes anything.
 
     References:
         - [van Amersfoort et al., 2020](https://arxiv.org/abs/2003.02037),
@@ -203,7 +238,7 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
         )
         # On JAX, a jitted step reports a bad batch through this metric.
         self._error_tracker = (
-            _trainer().ErrorCode() if keras.backend.backend() == "jax" else None
+            None if self.error_tracker_class is None else self.error_tracker_class()
         )
         self.built = True
 
@@ -241,27 +276,6 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
             logs.pop(self._error_tracker.name, None)
         return logs
 
-    # ---------------------------------------------------------------- steps
-
-    def train_step(self, *args):
-        # TensorFlow: `(data)`; JAX's stateless trainer: `(state, data)`.
-        return _trainer().train_step(self, *args)
-
-    def test_step(self, *args):
-        return _trainer().test_step(self, *args)
-
-    def make_train_function(self, force=False):
-        return _trainer().make_function(self, super().make_train_function, force)
-
-    def make_test_function(self, force=False):
-        return _trainer().make_function(self, super().make_test_function, force)
-
-    def jax_state_sync(self):
-        # JAX only. Keras calls it after every epoch and evaluation; the
-        # last step's error code is read here (see `_jax_trainer`).
-        super().jax_state_sync()
-        _trainer().check_pending_errors(self)
-
     def compile(self, optimizer="rmsprop", loss=None, *args, **kwargs):
         """Configures training as `keras.Model.compile` does, without a `loss`.
 
@@ -288,6 +302,7 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
         # Keras does not restore the compilation of models that override
         # `compile` (it cannot know what the override needs); this one only
         # adds a check, so loading compiles as Keras's own would.
+        config = _compat.portable_config(config)
         self.compile(**keras.saving.deserialize_keras_object(config))
         if self.built:
             self.optimizer.build(self.trainable_variables)
@@ -315,47 +330,6 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
         if self.health_checks:
             _health.check_predictions(self, kernel_values)
         return kernel_values
-
-    @property
-    def _lazy_penalty(self):
-        """Whether training computes the penalty on some steps only."""
-        return self.gradient_penalty > 0 and self.penalty_interval > 1
-
-    def _is_penalty_step(self, iterations):
-        """Whether the lazy penalty is computed at optimizer step `iterations`."""
-        return ops.equal(iterations % self.penalty_interval, 0)
-
-    def _total_loss(
-        self, log_kernel, penalty, labels_one_hot, sample_weight, weights, training=False
-    ):
-        """`(objective, bce)`: the DUQ loss plus coupled weight decay on `weights`.
-
-        Both backends' steps call this: `weights` are the trainable variables
-        (TensorFlow) or their values (JAX's stateless step). A training step
-        that computed the penalty weighs it by `penalty_interval` too.
-        """
-        penalty_weight = self.gradient_penalty
-        if training:
-            penalty_weight *= self.penalty_interval
-        loss, bce = _ops.duq_loss(
-            log_kernel,
-            labels_one_hot,
-            penalty,
-            penalty_weight,
-            sample_weight,
-            self.bce_epsilon,
-        )
-        return loss + _ops.coupled_weight_decay_loss(weights, self.weight_decay), bce
-
-    def _check_batch_structure(self, y):
-        """Errors that need no tensor values, raised while the step is traced."""
-        if self.loss is not None:  # only if `compile`'s check was bypassed
-            raise ValueError(own_loss_message(self.loss))
-        if y is None:
-            raise ValueError(
-                "DUQModel needs labels to train and evaluate: pass `y` (or a "
-                "dataset of `(x, y)` pairs)."
-            )
 
     def _update_duq_metrics(
         self, x, y, sample_weight, log_kernel, penalty, objective, bce, labels_one_hot,
@@ -509,19 +483,8 @@ class DUQModel(_compat.MultiWorkerBuildMixin, keras.Model):
         return cls(feature_extractor.input, outputs, **config)
 
 
-def _trainer():
-    backend = keras.backend.backend()
-    if backend not in _TRAINERS:
-        raise ValueError(
-            "keras_duq trains on the TensorFlow and JAX backends of Keras. Set "
-            "`KERAS_BACKEND=tensorflow` or `KERAS_BACKEND=jax` before importing "
-            f"Keras. Received: backend {backend!r}"
-        )
-    return importlib.import_module(_TRAINERS[backend])
-
-
 def _arguments_for(method, name, args, kwargs, num_classes=None):
-    """`args` and `kwargs` of the Keras `method` by name; on TensorFlow, arrays made quiet.
+    """`args` and `kwargs` of the Keras `method` by name, as the backend feeds them best.
 
     In-memory labels that are not numbers (strings, objects) are rejected
     here, before Keras's data adapter fails on them with a bare dtype error.
@@ -543,9 +506,7 @@ def _arguments_for(method, name, args, kwargs, num_classes=None):
             dtype = _array_dtype(labels)
             if dtype is not None and dtype.kind not in "iuf":
                 raise ValueError(label_dtype_message(num_classes, dtype))
-    if keras.backend.backend() != "tensorflow":
-        return (), arguments
-    return (), _trainer().quiet_array_inputs(name, arguments)
+    return (), _BackendTrainer.prepare_arguments(name, arguments)
 
 
 def _array_dtype(labels):

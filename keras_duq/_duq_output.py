@@ -6,6 +6,7 @@ import keras
 from keras import ops
 
 from keras_duq import _ops
+from keras_duq import _trainer
 from keras_duq._validation import check_int
 
 DEFAULT_KERNEL_INITIALIZER = "he_normal"
@@ -246,33 +247,14 @@ class DUQOutput(keras.layers.Layer):
                 inference mode after the optimizer step.
             labels_one_hot: `(batch, num_classes)` one-hot labels.
         """
-        counts, sums = self._batch_centroid_statistics(features, labels_one_hot)
         if keras.backend.backend() == "tensorflow":
             from keras_duq import _tensorflow_trainer
 
-            _tensorflow_trainer.assign_centroid_state(self, counts, sums)
+            _tensorflow_trainer.assign_centroid_state(self, features, labels_one_hot)
             return
-        new_counts, new_sums = self._next_centroid_state(
-            self.centroid_counts, self.centroid_sums, counts, sums
-        )
-        self.centroid_counts.assign(new_counts)
-        self.centroid_sums.assign(new_sums)
-
-    # The two halves of `update_centroids`, for the backends' training steps,
-    # which all-reduce, check and assign in their own ways.
-
-    def _batch_centroid_statistics(self, features, labels_one_hot):
-        """Per-class counts `(num_classes,)` and embedding sums of one batch."""
-        return _ops.centroid_statistics(
-            self.embed(features), ops.cast(labels_one_hot, "float32")
-        )
-
-    def _next_centroid_state(self, counts, sums, batch_counts, batch_sums):
-        """The state `(counts, sums)` after one moving-average step (no assignment)."""
-        return (
-            _ops.moving_average(counts, batch_counts, self.momentum),
-            _ops.moving_average(sums, batch_sums, self.momentum),
-        )
+        counts, sums, _ = _trainer.centroid_update(self, features, labels_one_hot)
+        self.centroid_counts.assign(counts)
+        self.centroid_sums.assign(sums)
 
     def compute_output_shape(self, input_shape):
         return (input_shape[0], self.num_classes)

@@ -2,9 +2,10 @@
 
 One training step:
 
-1. Check the batch (`_tensorflow_batch`): a bad batch raises here, before
+1. Check the batch (`_trainer.check_batch`, as graph assertions): every
+   state change of the step runs after them, so a bad batch raises before
    any state changes.
-2. Forward pass in training mode. With the penalty on, a nested
+2. `_trainer.objective` in training mode. With the penalty on, a nested
    `tf.GradientTape` takes the input gradient of `sum_c K_c`, whose norm is
    penalised (double backprop). The outer tape differentiates the objective:
    cross-entropy + `lambda` * penalty + coupled L2 weight decay.
@@ -13,7 +14,8 @@ One training step:
    restored from a copy) are not finite is never applied. Under a
    `LossScaleOptimizer` it is skipped and the scale lowered (a normal event
    in float16); otherwise training stops with an error naming causes. The
-   centroid update is checked the same way before it is assigned.
+   centroid update is checked the same way before it is assigned; if it
+   fails, the optimizer step is put back too.
 4. Optimizer step, then the centroid moving-average update from features
    recomputed in inference mode with the updated weights.
 
@@ -30,105 +32,198 @@ from keras import ops
 
 from keras_duq import _compat
 from keras_duq import _moments
-from keras_duq import _ops
-from keras_duq._tensorflow_batch import validate_batch
+from keras_duq import _trainer
+from keras_duq._tensorflow_batch import labels_to_one_hot
 from keras_duq._validation import NON_FINITE_CENTROID_MESSAGE
 from keras_duq._validation import NON_FINITE_STEP_MESSAGE
-from keras_duq._validation import is_float
 
 
-def train_step(model, data):
-    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    x, labels_one_hot, sample_weight = validate_batch(model, x, y, sample_weight)
-    weights = model.trainable_weights
+def _input_gradients(function, tensors):
+    """Gradients of `function(tensors)[0]`, themselves differentiable (nested tape)."""
+    with (
+        tf.GradientTape(watch_accessed_variables=False) as tape,
+        _moments.second_order_moments(),
+    ):
+        tape.watch(tensors)
+        value, aux = function(tensors)
+    return tape.gradient(value, tensors), aux
 
-    def gradients_and_losses(x, labels_one_hot, sample_weight, with_penalty=True):
-        with tf.GradientTape() as tape:
-            log_kernel, penalty, objective, bce = _objective(
-                model, x, labels_one_hot, sample_weight, training=True,
-                with_penalty=with_penalty,
+
+class TensorFlowTrainer(_trainer.Trainer):
+    """DUQModel's steps on Keras's TensorFlow backend."""
+
+    def train_step(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        x, labels_one_hot, sample_weight, checks = self._validated_batch(
+            x, y, sample_weight
+        )
+        weights = self.trainable_weights
+        optimizer = self.optimizer
+
+        def gradients_and_losses(x, labels_one_hot, sample_weight, with_penalty=True):
+            with tf.GradientTape() as tape:
+                total, (log_kernel, penalty, bce, _) = _trainer.objective(
+                    self._forward(training=True), _input_gradients, x,
+                    labels_one_hot, sample_weight, weights,
+                    self._objective_settings(training=True, with_penalty=with_penalty),
+                    self._input_gradient_scale(),
+                )
+                # Replicas' gradients are summed: divide by their number.
+                scaled = total / tf.distribute.get_strategy().num_replicas_in_sync
+                scaled = optimizer.scale_loss(scaled)
+            gradients = tape.gradient(scaled, weights)
+            return gradients, log_kernel, penalty, total, bce
+
+        # Layers write state in the forward pass (BatchNormalization's moving
+        # mean and variance), before the check can run: keep a copy, to put
+        # back if the step fails it.
+        layer_state = self._layer_state()
+        saved = [tf.identity(variable) for variable in layer_state]
+        penalised = None
+        if self._lazy_penalty:
+            penalised = self._is_penalty_step(optimizer.iterations)
+            gradients, log_kernel, penalty, objective, bce = _lazy(
+                self, gradients_and_losses, penalised, weights
+            )(x, labels_one_hot, sample_weight)
+        else:
+            gradients, log_kernel, penalty, objective, bce = _maybe_xla(
+                self, gradients_and_losses
+            )(x, labels_one_hot, sample_weight)
+        finite = _trainer.all_finite(
+            gradients + [objective] + [tf.identity(variable) for variable in layer_state]
+        )
+        restored = _restore_unless(finite, layer_state, saved)
+        if self._uses_loss_scale():
+            # It skips such a step itself and lowers the loss scale.
+            applied = finite
+            checks = checks + [restored]
+        else:
+            applied = None
+            with tf.control_dependencies([restored]):
+                checks = checks + [
+                    tf.debugging.Assert(finite, [NON_FINITE_STEP_MESSAGE])
+                ]
+        rollback = None
+        if not tf.distribute.has_strategy():
+            # The centroid update is checked after the optimizer step: if it
+            # fails, the step's changes are put back. (Replicas cannot assign
+            # optimizer slots in their own context; there a failed centroid
+            # update leaves the step applied and the centroids unchanged.)
+            applied_state = weights + optimizer.variables
+            rollback = (
+                applied_state + layer_state,
+                [tf.identity(variable) for variable in applied_state] + saved,
             )
-            # Replicas' gradients are summed: divide by their number.
-            scaled = objective / tf.distribute.get_strategy().num_replicas_in_sync
-            scaled = model.optimizer.scale_loss(scaled)
-        gradients = tape.gradient(scaled, weights)
-        return gradients, log_kernel, penalty, objective, bce
-
-    # Layers write state in the forward pass (BatchNormalization's moving
-    # mean and variance), before the check can run: keep a copy, to put back
-    # if the step fails it.
-    layer_state = _layer_state(model)
-    saved = [tf.identity(variable) for variable in layer_state]
-    penalised = None
-    if model._lazy_penalty:
-        penalised = model._is_penalty_step(model.optimizer.iterations)
-        gradients, log_kernel, penalty, objective, bce = _lazy(
-            model, gradients_and_losses, penalised, weights
-        )(x, labels_one_hot, sample_weight)
-    else:
-        gradients, log_kernel, penalty, objective, bce = _maybe_xla(
-            model, gradients_and_losses
-        )(x, labels_one_hot, sample_weight)
-    finite = _all_finite(
-        gradients + [objective] + [tf.identity(variable) for variable in layer_state]
-    )
-    restored = _restore_unless(finite, layer_state, saved)
-    if isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer):
-        # It skips such a step itself and lowers the loss scale.
-        applied = finite
-    else:
-        applied = None
-        # Every state change of the step (weights, optimizer slots,
-        # centroids) depends on the check, so a failed check changes nothing.
-        with tf.control_dependencies([restored]):
-            check = tf.debugging.Assert(finite, [NON_FINITE_STEP_MESSAGE])
-        with tf.control_dependencies([check]):
+        # Every state change of the step (weights, optimizer slots and
+        # `iterations`, centroids) runs after the checks, so a failed check
+        # changes nothing.
+        with tf.control_dependencies(checks):
             gradients = [None if g is None else tf.identity(g) for g in gradients]
-            x, labels_one_hot = tf.nest.map_structure(
-                tf.identity, (x, labels_one_hot)
+            x, labels_one_hot = tf.nest.map_structure(tf.identity, (x, labels_one_hot))
+            optimizer.apply(gradients, weights)
+        _run_if(applied, lambda: self._update_centroids(x, labels_one_hot, rollback))
+        # A skipped step's loss may be inf (the scaled input gradient): not logged.
+        _run_if(
+            applied,
+            lambda: self._update_duq_metrics(
+                x, y, sample_weight, log_kernel, penalty, objective, bce,
+                labels_one_hot, penalised,
+            ),
+        )
+        return self._logs()
+
+    def test_step(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        x, labels_one_hot, sample_weight, _ = self._validated_batch(x, y, sample_weight)
+
+        def losses(x, labels_one_hot, sample_weight):
+            total, (log_kernel, penalty, bce, _) = _trainer.objective(
+                self._forward(training=False), _input_gradients, x, labels_one_hot,
+                sample_weight, self.trainable_weights,
+                self._objective_settings(training=False),
             )
-    model.optimizer.apply(gradients, weights)
-    _run_if(applied, lambda: _update_centroids(model, x, labels_one_hot))
-    # A skipped step's loss may be inf (the scaled input gradient): not logged.
-    _run_if(
-        applied,
-        lambda: model._update_duq_metrics(
-            x, y, sample_weight, log_kernel, penalty, objective, bce, labels_one_hot,
-            penalised,
-        ),
-    )
-    return _logs(model)
+            return log_kernel, penalty, total, bce
 
+        log_kernel, penalty, objective, bce = _maybe_xla(self, losses)(
+            x, labels_one_hot, sample_weight
+        )
+        self._update_duq_metrics(
+            x, y, sample_weight, log_kernel, penalty, objective, bce, labels_one_hot
+        )
+        return self._logs()
 
-def test_step(model, data):
-    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    x, labels_one_hot, sample_weight = validate_batch(model, x, y, sample_weight)
-    log_kernel, penalty, objective, bce = _maybe_xla(
-        model,
-        lambda x, labels_one_hot, sample_weight: _objective(
-            model, x, labels_one_hot, sample_weight, training=False
-        ),
-    )(x, labels_one_hot, sample_weight)
-    model._update_duq_metrics(
-        x, y, sample_weight, log_kernel, penalty, objective, bce, labels_one_hot
-    )
-    return _logs(model)
+    def make_train_function(self, force=False):
+        # XLA drops `Assert` ops without a word, so a function compiled whole
+        # would skip the batch checks and let a bad batch change the
+        # weights. With `jit_compile` on, the step compiles its computation
+        # with XLA itself (`_maybe_xla`) and keeps the checks and state
+        # updates around it.
+        return self._make_uncompiled(super().make_train_function, force)
 
+    def make_test_function(self, force=False):
+        return self._make_uncompiled(super().make_test_function, force)
 
-def make_function(model, make, force):
-    """Keras's train/test function, never compiled whole by XLA.
+    @staticmethod
+    def prepare_arguments(method, arguments):
+        return quiet_array_inputs(method, arguments)
 
-    XLA drops `Assert` ops without a word, so a function compiled whole would
-    skip the batch checks and let a bad batch change the weights. With
-    `jit_compile` on, the step compiles its computation with XLA itself
-    (`_maybe_xla`) and keeps the checks and state updates around it.
-    """
-    jit_compile = model.jit_compile
-    model.jit_compile = False
-    try:
-        return make(force)
-    finally:
-        model.jit_compile = jit_compile
+    def _validated_batch(self, x, y, sample_weight):
+        """`(x, labels_one_hot, sample_weight, checks)`: the checks as graph ops.
+
+        Every tensor the step uses depends on them, and the step's state
+        changes run after them, so a bad batch raises before any state
+        changes.
+        """
+        x, labels_one_hot, sample_weight, code = self._check_batch(x, y, sample_weight)
+        checks = [
+            tf.debugging.Assert(
+                tf.not_equal(code, error), [_trainer.error_message(error, self.num_classes)]
+            )
+            for error in _trainer.BATCH_ERRORS
+        ]
+        with tf.control_dependencies(checks):
+            x, labels_one_hot, sample_weight = tf.nest.map_structure(
+                lambda t: None if t is None else tf.identity(t),
+                (x, labels_one_hot, sample_weight),
+            )
+        return x, labels_one_hot, sample_weight, checks
+
+    def _labels_to_one_hot(self, y):
+        return labels_to_one_hot(y, self.num_classes)
+
+    def _forward(self, training):
+        return lambda x: (self._log_kernel(x, training), None)
+
+    def _log_kernel_and_penalty(self, x, training, with_penalty=True):
+        """Forward pass; with the penalty on, also the per-example penalty."""
+        if self.gradient_penalty == 0 or not with_penalty:
+            return self._log_kernel(x, training), None
+        log_kernel, penalty, _ = _trainer.log_kernel_and_penalty(
+            self._forward(training), _input_gradients, x, self.penalty,
+            self._input_gradient_scale(),
+        )
+        return log_kernel, penalty
+
+    def _input_gradient_scale(self):
+        """The loss scale, for the penalty's input gradient too (or `None`)."""
+        if not self._uses_loss_scale():
+            return None
+        return ops.cast(self.optimizer.scale_loss(1.0), "float32")
+
+    def _update_centroids(self, x, labels_one_hot, rollback=None):
+        features = _maybe_xla(
+            self, lambda x: self.feature_extractor(x, training=False)
+        )(x)
+        assign_centroid_state(self.duq_output, features, labels_one_hot, rollback)
+
+    def _logs(self):
+        logs = self.get_metrics_result()
+        if _compat.is_multi_worker(tf.distribute.get_strategy()):
+            # Keras reduces each log over workers with `reduce("MEAN",
+            # axis=0)`, which needs a batch axis; metric results are scalars
+            # (and already global: mean of equal values).
+            logs = {name: ops.reshape(value, (1,)) for name, value in logs.items()}
+        return logs
 
 
 def quiet_array_inputs(method, arguments):
@@ -191,18 +286,6 @@ def quiet_array_inputs(method, arguments):
     return arguments
 
 
-def _objective(model, x, labels_one_hot, sample_weight, training, with_penalty=True):
-    """Kernel values (log), penalty, full objective and its BCE part."""
-    log_kernel, penalty = _log_kernel_and_penalty(
-        model, x, training=training, with_penalty=with_penalty
-    )
-    objective, bce = model._total_loss(
-        log_kernel, penalty, labels_one_hot, sample_weight, model.trainable_weights,
-        training=training,
-    )
-    return log_kernel, penalty, objective, bce
-
-
 def _lazy(model, gradients_and_losses, penalised, weights):
     """`gradients_and_losses` with the penalty only where `penalised` is true.
 
@@ -246,83 +329,29 @@ def _lazy(model, gradients_and_losses, penalised, weights):
     return run
 
 
-def _log_kernel_and_penalty(model, x, training, with_penalty=True):
-    """Forward pass; with the penalty on, also the per-example penalty."""
-    if model.gradient_penalty == 0 or not with_penalty:
-        features = model.feature_extractor(x, training=training)
-        return model.duq_output.log_kernel_values(features), None
-    float_inputs = [t for t in tf.nest.flatten(x) if is_float(t.dtype)]
-    scale = _input_gradient_scale(model)
-    with (
-        tf.GradientTape(watch_accessed_variables=False) as inner_tape,
-        _moments.second_order_moments(),
-    ):
-        inner_tape.watch(float_inputs)
-        features = model.feature_extractor(x, training=training)
-        log_kernel = model.duq_output.log_kernel_values(features)
-        kernel_sum = ops.sum(ops.exp(log_kernel))
-        if scale is not None:
-            kernel_sum = kernel_sum * scale
-    input_gradients = inner_tape.gradient(kernel_sum, float_inputs)
-    if scale is not None:
-        input_gradients = [
-            None if g is None else ops.cast(g, "float32") / scale
-            for g in input_gradients
-        ]
-    norms = _ops.gradient_norms(input_gradients)
-    return log_kernel, _ops.gradient_penalty(norms, model.penalty)
+def assign_centroid_state(layer, features, labels_one_hot, rollback=None):
+    """A `DUQOutput`'s centroid update on one batch, summed over replicas, checked.
 
-
-def _input_gradient_scale(model):
-    """The loss scale, for the penalty's input gradient too (or `None`).
-
-    Under mixed_float16 the input gradient flows back through float16 layers,
-    where small values underflow to zero just as weight gradients do. Scaling
-    `sum_c K_c` by the optimizer's dynamic loss scale (a power of two: exact)
-    keeps them; an overflow makes the penalty, and so the gradients,
-    non-finite, and the optimizer then skips the step and lowers the scale.
+    `rollback`: `(variables, values)` to assign back if the check fails.
     """
-    optimizer = getattr(model, "optimizer", None)
-    if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        return None
-    return ops.cast(optimizer.scale_loss(1.0), "float32")
-
-
-def _update_centroids(model, x, labels_one_hot):
-    features = _maybe_xla(
-        model, lambda x: model.feature_extractor(x, training=False)
-    )(x)
-    model.duq_output.update_centroids(features, labels_one_hot)
-
-
-def assign_centroid_state(layer, counts, sums):
-    """All-reduces a batch's centroid statistics, checks the new state, assigns it."""
-    replica_context = tf.distribute.get_replica_context()
-    if replica_context is not None and replica_context.num_replicas_in_sync > 1:
-        counts, sums = replica_context.all_reduce(
-            tf.distribute.ReduceOp.SUM, [counts, sums]
-        )
-    new_counts, new_sums = layer._next_centroid_state(
-        layer.centroid_counts, layer.centroid_sums, counts, sums
+    new_counts, new_sums, finite = _trainer.centroid_update(
+        layer, features, labels_one_hot, all_reduce=_all_reduce
     )
+    restored = [] if rollback is None else [_restore_unless(finite, *rollback)]
     # Features that overflow (e.g. unnormalised inputs) must not turn the
     # centroids into Inf/NaN for good: check before assigning.
-    check = tf.debugging.Assert(
-        _all_finite([new_counts, new_sums]), [NON_FINITE_CENTROID_MESSAGE]
-    )
+    with tf.control_dependencies(restored):
+        check = tf.debugging.Assert(finite, [NON_FINITE_CENTROID_MESSAGE])
     with tf.control_dependencies([check]):
         layer.centroid_counts.assign(new_counts)
         layer.centroid_sums.assign(new_sums)
 
 
-def _logs(model):
-    logs = model.get_metrics_result()
-    if _compat.is_multi_worker(tf.distribute.get_strategy()):
-        # Keras reduces each log over workers with `reduce("MEAN", axis=0)`,
-        # which needs a batch axis; metric results are scalars (and already
-        # global: mean of equal values).
-        logs = {name: ops.reshape(value, (1,)) for name, value in logs.items()}
-    return logs
+def _all_reduce(counts, sums):
+    replica_context = tf.distribute.get_replica_context()
+    if replica_context is None or replica_context.num_replicas_in_sync == 1:
+        return counts, sums
+    return replica_context.all_reduce(tf.distribute.ReduceOp.SUM, [counts, sums])
 
 
 def _maybe_xla(model, function):
@@ -330,26 +359,6 @@ def _maybe_xla(model, function):
         # No tensor-dependent Python control flow inside: no AutoGraph.
         return tf.function(function, jit_compile=True, autograph=False)
     return function
-
-
-def _layer_state(model):
-    """Variables that layers assign in the forward pass.
-
-    Non-trainable state (BatchNormalization's moving statistics), and the
-    kernels of Keras's `SpectralNormalization`, which writes the normalised
-    kernel back into the wrapped layer's trainable kernel.
-    """
-    centroid_state = (model.duq_output.centroid_counts, model.duq_output.centroid_sums)
-    state = [
-        variable
-        for variable in model.non_trainable_variables
-        if all(variable is not other for other in centroid_state)
-    ]
-    return state + [
-        layer.kernel
-        for layer in _compat.all_layers(model.feature_extractor)
-        if isinstance(layer, keras.layers.SpectralNormalization)
-    ]
 
 
 def _restore_unless(condition, variables, saved):
@@ -361,21 +370,6 @@ def _restore_unless(condition, variables, saved):
         return tf.constant(False)
 
     return tf.cond(condition, lambda: tf.constant(True), restore)
-
-
-def _all_finite(tensors):
-    checks = []
-    for tensor in tensors:
-        if tensor is None:
-            continue
-        if isinstance(tensor, tf.IndexedSlices):
-            tensor = tensor.values
-        if not tensor.dtype.is_floating:
-            continue  # integer state (e.g. a layer's random seed)
-        checks.append(tf.reduce_all(tf.math.is_finite(tensor)))
-    if not checks:
-        return tf.constant(True)
-    return tf.reduce_all(tf.stack(checks))
 
 
 def _run_if(condition, function):

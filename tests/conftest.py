@@ -59,3 +59,22 @@ def keras_home():
     if not os.access(home, os.W_OK):
         _missing(f"KERAS_HOME={home} is read-only; keras would download.")
     return home
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "requires_backend(name): runs only when the suite runs under that Keras "
+        "backend (KERAS_BACKEND=name); tests that start their own backends in "
+        "subprocesses run once, in the backend named",
+    )
+
+
+def pytest_runtest_setup(item):
+    marker = item.get_closest_marker("requires_backend")
+    if marker is None:
+        return
+    import keras
+
+    if keras.backend.backend() != marker.args[0]:
+        pytest.skip(f"needs KERAS_BACKEND={marker.args[0]}")

@@ -29,6 +29,21 @@ def test_private_keras_names_only_in_the_compat_module():
     assert not offenders, offenders
 
 
+def test_an_optimizer_saved_on_pytorch_loads_as_the_public_class():
+    # How Keras names an SGD optimizer in a `.keras` file written on PyTorch.
+    saved = {
+        "module": "keras.src.backend.torch.optimizers.torch_sgd",
+        "class_name": "SGD",
+        "config": {"learning_rate": 0.05, "momentum": 0.9},
+        "registered_name": "SGD",
+    }
+    config = _compat.portable_config({"optimizer": saved, "loss": None})
+    optimizer = keras.saving.deserialize_keras_object(config["optimizer"])
+    assert type(optimizer) is type(keras.optimizers.SGD())
+    assert optimizer.momentum == 0.9
+
+
+@pytest.mark.requires_backend("tensorflow")  # a TensorFlow-only swap
 def test_a_moved_moments_function_degrades_with_one_warning(monkeypatch):
     monkeypatch.setattr(_compat, "_MOMENTS_NAME", "_name_keras_no_longer_has")
     monkeypatch.setattr(_compat, "_warned", set())
@@ -46,6 +61,7 @@ def test_a_moved_moments_function_degrades_with_one_warning(monkeypatch):
     assert np.isfinite(history.history["loss"]).all()
 
 
+@pytest.mark.requires_backend("tensorflow")  # arrays are fed so on TensorFlow only
 def test_a_moved_array_adapter_degrades_to_keras_own_pipeline(monkeypatch):
     monkeypatch.setattr(_compat, "_ARRAY_ADAPTER_MODULE", "keras.src.no_such_module")
     monkeypatch.setattr(_compat, "_warned", set())
@@ -89,13 +105,18 @@ def test_all_layers_finds_layers_inside_custom_layers_and_degrades_to_public_lay
 
 def test_import_needs_neither_matplotlib_nor_scikit_learn():
     # Keras itself imports both when they are installed, so block them: the
-    # core must import and train without them.
+    # core must import and train without them. Only importing fails: PyTorch
+    # looks for them (`find_spec`) without importing them.
     script = """
-import importlib.abc, sys
-class Block(importlib.abc.MetaPathFinder):
+import importlib.abc, importlib.util, sys
+class Block(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, name, path, target=None):
         if name.split(".")[0] in ("matplotlib", "sklearn"):
-            raise ImportError(f"blocked: {name}")
+            return importlib.util.spec_from_loader(name, self)
+    def create_module(self, spec):
+        raise ImportError(f"blocked: {spec.name}")
+    def exec_module(self, module):
+        pass
 sys.meta_path.insert(0, Block())
 import numpy as np, keras, keras_duq
 model = keras_duq.wrap(

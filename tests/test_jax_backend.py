@@ -1,77 +1,21 @@
-"""keras_duq on Keras's JAX backend, checked in subprocesses (a process has one backend).
+"""What only the JAX backend has: TensorFlow-free runs, deferred error codes, DataParallel.
 
-Each test runs a short script with `KERAS_BACKEND=jax`; the parity test also
-runs the same training on TensorFlow and compares the two.
+Each test runs a short script with `KERAS_BACKEND=jax` in a subprocess (a
+process has one backend, and some of these need an environment set before
+JAX starts); they run once, in the suite's JAX run.
 """
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import jax  # noqa: F401  (part of the tests extra: fail loudly without it)
 import numpy as np
 import pytest
-
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-
-_PRELUDE = """
-import json, os, sys
-import numpy as np
-import keras
-import keras_duq
-
-def make_model(gradient_penalty=0.5, batch_norm=True, classes=3, momentum=0.9, **kwargs):
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((8, 8, 1))
-    x = keras.layers.Conv2D(4, 3)(inputs)
-    if batch_norm:
-        x = keras.layers.BatchNormalization()(x)
-    x = keras.layers.ReLU()(x)
-    x = keras.layers.Flatten()(x)
-    outputs = keras_duq.DUQOutput(classes, centroid_dims=6, length_scale=0.5, momentum=0.9)(x)
-    model = keras_duq.DUQModel(inputs, outputs, gradient_penalty=gradient_penalty, **kwargs)
-    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=momentum))
-    return model
-
-def data(n=96, classes=3, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n, 8, 8, 1)).astype("float32")
-    y = (np.abs(x.mean(axis=(1, 2, 3))) * 30).astype("int64") % classes
-    return x, y
-
-def state(model):
-    return [v.numpy().copy() for v in model.weights]
-"""
+from backend_subprocess import run
 
 
-# After the prelude: any later `import tensorflow` fails, as where it is not installed.
-_BLOCK_TENSORFLOW = """
-import importlib.abc
-class Block(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name.split(".")[0] == "tensorflow":
-            raise ImportError("blocked: " + name)
-sys.meta_path.insert(0, Block())
-"""
-
-
-def _run(script, backend="jax", extra_env=None, timeout=300, block_tensorflow=False):
-    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
-    env.update(extra_env or {})
-    prelude = _PRELUDE + (_BLOCK_TENSORFLOW if block_tensorflow else "")
-    result = subprocess.run(
-        [sys.executable, "-c", prelude + textwrap.dedent(script)],
-        capture_output=True, text=True, env=env, timeout=timeout,
-    )
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
-
+pytestmark = pytest.mark.requires_backend("jax")
 
 def test_imports_and_trains_without_tensorflow(tmp_path):
-    out = _run(f"""
+    out = run(f"""
         model = make_model()
         x, y = data()
         history = model.fit(x, y, batch_size=32, epochs=2, verbose=0,
@@ -103,7 +47,7 @@ def test_imports_and_trains_without_tensorflow(tmp_path):
 def test_fashion_mnist_example_runs_without_tensorflow(tmp_path, mnist_dir, fashion_mnist_dir):
     # The GPU machine has JAX but no TensorFlow: the example's data pipeline
     # (`make_dataset`) and OoD callback must work without it.
-    out = _run(f"""
+    out = run(f"""
         from reproduction import fashion_mnist
         pipeline = type(keras_duq.datasets.make_dataset(np.zeros((4, 2)), batch_size=2))
         results = fashion_mnist.main([
@@ -130,7 +74,7 @@ def test_fashion_mnist_example_runs_without_tensorflow(tmp_path, mnist_dir, fash
 
 
 def test_bad_batches_raise_before_any_state_changes():
-    out = _run("""
+    out = run("""
         model = make_model()
         x, y = data()
         model.fit(x, y, batch_size=32, epochs=1, verbose=0)
@@ -204,106 +148,6 @@ def test_bad_batches_raise_before_any_state_changes():
     assert out["late_state"] == 0.0
 
 
-def test_tensorflow_and_jax_agree_after_three_steps(tmp_path):
-    # Same initial weights (written by TensorFlow), same 3 batches, a CNN
-    # with BatchNormalization, the penalty on and momentum SGD.
-    script = """
-        model = make_model()
-        x, y = data()
-        folder = sys.argv[1]
-        if keras.backend.backend() == "tensorflow":
-            model.save_weights(os.path.join(folder, "initial.weights.h5"))
-            np.savez(os.path.join(folder, "initial.npz"), *state(model))
-        model.load_weights(os.path.join(folder, "initial.weights.h5"))
-        model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
-        np.savez(os.path.join(folder, keras.backend.backend() + ".npz"), *state(model))
-        print(json.dumps({"names": [v.path for v in model.weights]}))
-    """
-    for backend in ("tensorflow", "jax"):
-        env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
-        result = subprocess.run(
-            [sys.executable, "-c", _PRELUDE + textwrap.dedent(script), str(tmp_path)],
-            capture_output=True, text=True, env=env, timeout=300,
-        )
-        assert result.returncode == 0, result.stderr[-4000:]
-        names = json.loads(result.stdout.strip().splitlines()[-1])["names"]
-    values = {}
-    for name in ("initial", "tensorflow", "jax"):
-        with np.load(tmp_path / f"{name}.npz") as arrays:
-            values[name] = [arrays[f"arr_{i}"] for i in range(len(names))]
-    report, changed = [], 0
-    for name, start, tf_value, jax_value in zip(
-        names, values["initial"], values["tensorflow"], values["jax"]
-    ):
-        change = np.abs(tf_value - start).max()
-        difference = np.abs(jax_value - tf_value).max()
-        report.append((name, float(difference), float(change)))
-        # The convolution's bias feeds BatchNormalization, which removes any
-        # shift: its exact change is 0 (no weight decay at 0), so what moves
-        # it is rounding, 1e-8 on either backend.
-        changed += change > 1e-6
-        assert difference <= max(1e-3 * change, 1e-6), report
-    print("parity", report)
-    assert changed >= 8, report  # conv kernel, BN (4), W, centroid counts and sums
-
-
-@pytest.mark.parametrize("backend", ["tensorflow", "jax"])
-def test_lazy_penalty_is_the_scaled_penalty_on_every_kth_step_only(backend):
-    # penalty_interval=2, lambda=0.5: step 0 is an exact step with lambda=1,
-    # step 1 a step without the penalty (plain SGD, so no optimizer state).
-    out = _run("""
-        x, y = data(n=32)
-        def trained(gradient_penalty, steps, start=None, **kwargs):
-            model = make_model(gradient_penalty, momentum=0.0, **kwargs)
-            if start is not None:
-                model.set_weights(start)
-            for _ in range(steps):
-                history = model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
-            model.logs = history.history
-            return model
-        def difference(a, b):
-            return max(float(np.abs(u - v).max()) for u, v in zip(state(a), state(b)))
-        lazy = trained(0.5, 1, penalty_interval=2)
-        exact = trained(1.0, 1)
-        after_first = lazy.get_weights()
-        logged = lazy.logs["gradient_penalty"][0]
-        lazy.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
-        plain = trained(0.0, 1, start=after_first)
-        config = keras_duq.DUQModel.from_config(lazy.get_config())
-        print(json.dumps({
-            "penalised_step": difference(trained(0.5, 1, penalty_interval=2), exact),
-            "plain_step": difference(lazy, plain),
-            "moved": max(float(np.abs(a - b).max()) for a, b in zip(after_first, state(lazy))),
-            "logged_penalty": logged,
-            "interval": config.penalty_interval,
-        }))
-    """, backend=backend)
-    assert out["penalised_step"] <= 1e-5 and out["plain_step"] <= 1e-5, out
-    assert out["moved"] > 1e-3 and out["logged_penalty"] > 0, out
-    assert out["interval"] == 2
-
-
-@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
-def test_mixed_precision_trains(policy):
-    out = _run(f"""
-        keras.mixed_precision.set_global_policy({policy!r})
-        model = make_model(gradient_penalty=1.0)
-        x, y = data(n=128)
-        history = model.fit(x, y, batch_size=32, epochs=3, verbose=0)
-        kernels = model.predict(x, verbose=0)
-        print(json.dumps(dict(
-            loss=[float(v) for v in history.history["loss"]],
-            loss_scale=isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer),
-            dtype=str(kernels.dtype),
-            finite=all(np.isfinite(v.numpy()).all() for v in model.weights),
-        )))
-    """)
-    assert np.all(np.isfinite(out["loss"])) and out["finite"]
-    assert out["loss"][-1] < out["loss"][0]
-    assert out["dtype"] == "float32"
-    assert out["loss_scale"] == (policy == "mixed_float16")
-
-
 def test_data_parallel_matches_one_device():
     script = """
         import jax
@@ -315,8 +159,8 @@ def test_data_parallel_matches_one_device():
         model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
         print(json.dumps({v.path: v.numpy().tolist() for v in model.weights}))
     """
-    one = _run(script)
-    two = _run(
+    one = run(script)
+    two = run(
         script,
         extra_env={
             "XLA_FLAGS": "--xla_force_host_platform_device_count=2",

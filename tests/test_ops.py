@@ -41,10 +41,13 @@ def test_binary_cross_entropy_matches_textbook_formula():
     expected = -np.mean(
         labels * np.log(kernel) + (1 - labels) * np.log(1 - kernel), axis=-1
     )
-    got = _ops.binary_cross_entropy(log_kernel, labels)
-    np.testing.assert_allclose(got, expected, rtol=1e-5)
+    got = _ops.binary_cross_entropy(
+        keras.ops.convert_to_tensor(log_kernel), keras.ops.convert_to_tensor(labels)
+    )
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(got), expected, rtol=1e-5)
 
 
+@pytest.mark.requires_backend("tensorflow")  # gradients by tf.GradientTape
 def test_binary_cross_entropy_keeps_gradient_when_kernels_saturate():
     # Kernel values of exp(-200) underflow to 0 in float32. Keras's clipped
     # binary_crossentropy then gives the true class no gradient; the
@@ -65,6 +68,7 @@ def test_binary_cross_entropy_keeps_gradient_when_kernels_saturate():
     assert clipped_gradient[0, 0] == 0.0
 
 
+@pytest.mark.requires_backend("tensorflow")  # gradients by tf.GradientTape
 @pytest.mark.parametrize("epsilon", [1e-12, 1e-7])
 def test_binary_cross_entropy_epsilon_gives_the_floored_gradient(epsilon):
     # dL/dK_c = (K_c - y_c) / max(K_c (1 - K_c), epsilon) / num_classes, so
@@ -92,6 +96,7 @@ def test_binary_cross_entropy_epsilon_gives_the_floored_gradient(epsilon):
     )
 
 
+@pytest.mark.requires_backend("tensorflow")  # gradients by tf.GradientTape
 def test_binary_cross_entropy_epsilon_zero_is_exact_gradient():
     log_kernel = tf.Variable([[-60.0, -2.0]])
     labels = tf.constant([[1.0, 0.0]])
@@ -117,6 +122,7 @@ def test_gradient_norms_flatten_all_inputs_per_example():
     np.testing.assert_allclose(got, expected, rtol=1e-6)
 
 
+@pytest.mark.requires_backend("tensorflow")  # gradients by tf.GradientTape
 def test_gradient_norms_are_safe_at_zero():
     gradient = tf.Variable(tf.zeros((4, 3)))
     with tf.GradientTape() as tape:
@@ -153,7 +159,12 @@ def test_centroid_statistics_and_moving_average_match_paper():
     embeddings = rng.normal(size=(5, 4, 3)).astype("float32")
     labels = np.array([0, 2, 2, 1, 2])
     one_hot = np.eye(3, dtype="float32")[labels]
-    counts, sums = _ops.centroid_statistics(embeddings, one_hot)
+    counts, sums = (
+        keras.ops.convert_to_numpy(t)
+        for t in _ops.centroid_statistics(
+            keras.ops.convert_to_tensor(embeddings), keras.ops.convert_to_tensor(one_hot)
+        )
+    )
     np.testing.assert_allclose(counts, [1, 1, 3])
     for c in range(3):
         np.testing.assert_allclose(
@@ -171,6 +182,7 @@ def test_centroid_statistics_and_moving_average_match_paper():
     )
 
 
+@pytest.mark.requires_backend("tensorflow")  # gradients by tf.GradientTape
 def test_coupled_weight_decay_gradient_is_weight_decay_times_weight():
     weights = [tf.Variable([[1.0, -2.0]]), tf.Variable([3.0])]
     with tf.GradientTape() as tape:

@@ -1,0 +1,315 @@
+"""The backend-neutral half of DUQModel's training and evaluation steps.
+
+Every backend's step is the same computation, written once here:
+
+- `check_batch`: standardised inputs, one-hot labels and an error code (0:
+  the batch is good), with Keras ops only;
+- `objective`: one stateless function from the inputs to the objective
+  (kernel values, cross-entropy, the penalty's input gradient, coupled L2
+  weight decay), given the backend's forward pass and its way to take the
+  penalty's input gradient (`GradientTape`, `jax.grad`, `torch.autograd`);
+- `centroid_update`: the centroid state after one batch, and whether it is
+  finite.
+
+Each backend's part is a class (`TensorFlowTrainer`, `JAXTrainer`,
+`TorchTrainer`), chosen once when `keras_duq` is imported and mixed into
+`DUQModel` as Keras mixes its own trainers into `keras.Model`. It
+differentiates `objective`, applies the optimizer and acts on the error
+code in its own way, with one promise on every backend: a rejected batch
+changes no weight, centroid, optimizer slot or `optimizer.iterations`, and
+the error names the cause.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import keras
+from keras import ops
+
+from keras_duq import _compat
+from keras_duq import _ops
+from keras_duq._validation import FRACTIONAL_LABEL_MESSAGE
+from keras_duq._validation import NON_FINITE_CENTROID_MESSAGE
+from keras_duq._validation import NON_FINITE_INPUT_MESSAGE
+from keras_duq._validation import NON_FINITE_STEP_MESSAGE
+from keras_duq._validation import is_float
+from keras_duq._validation import label_dtype_message
+from keras_duq._validation import label_range_message
+from keras_duq._validation import label_shape_message
+from keras_duq._validation import own_loss_message
+from keras_duq._validation import standardize_inputs
+
+# Error codes of a batch or step; 0 means none.
+LABEL_RANGE, FRACTIONAL_LABEL, NON_FINITE_INPUT = 1, 2, 3
+NON_FINITE_STEP, NON_FINITE_CENTROIDS = 4, 5
+BATCH_ERRORS = (LABEL_RANGE, FRACTIONAL_LABEL, NON_FINITE_INPUT)
+
+
+def error_message(code: int, num_classes: int) -> str:
+    """The message of a non-zero error code."""
+    return {
+        LABEL_RANGE: label_range_message(num_classes),
+        FRACTIONAL_LABEL: FRACTIONAL_LABEL_MESSAGE,
+        NON_FINITE_INPUT: NON_FINITE_INPUT_MESSAGE,
+        NON_FINITE_STEP: NON_FINITE_STEP_MESSAGE,
+        NON_FINITE_CENTROIDS: NON_FINITE_CENTROID_MESSAGE,
+    }[code]
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectiveSettings:
+    """What `objective` computes: the model's DUQ settings for one step."""
+
+    penalty: str | None  # None: no penalty on this step
+    penalty_weight: float
+    weight_decay: float
+    bce_epsilon: float
+
+
+# ------------------------------------------------------------ batch check
+
+
+def check_batch(input_specs, x, y, sample_weight, one_hot):
+    """`(x, labels_one_hot, sample_weight, code)` for one batch.
+
+    Errors that need no values (label dtype and shape) raise here; errors
+    in the values give a non-zero int32 `code` (the first found), which each
+    backend turns into an error before the batch changes any state.
+    `one_hot(y) -> (labels_one_hot, code)` is `labels_to_one_hot` for the
+    model's number of classes.
+    """
+    x = standardize_inputs(input_specs, x)
+    if sample_weight is not None:
+        sample_weight = ops.reshape(ops.cast(sample_weight, "float32"), (-1,))
+    labels_one_hot, code = one_hot(y)
+    inputs_finite = all_finite([t for t in keras.tree.flatten(x) if is_float(t.dtype)])
+    code = first_error(code, ops.where(inputs_finite, 0, NON_FINITE_INPUT))
+    return x, labels_one_hot, sample_weight, code
+
+
+def labels_to_one_hot(y, num_classes):
+    """One-hot float32 labels and the error code of their values.
+
+    `y` must have a static rank and, for rank 2, a static last axis (the
+    TensorFlow backend handles labels whose format is only known at run
+    time itself).
+    """
+    y = ops.convert_to_tensor(y)
+    dtype = keras.backend.standardize_dtype(y.dtype)
+    if dtype == "bool" or not ("int" in dtype or is_float(dtype)):
+        raise ValueError(label_dtype_message(num_classes, dtype))
+    shape = tuple(y.shape)
+    if len(shape) == 2 and shape[-1] == num_classes:
+        return ops.cast(y, "float32"), ops.zeros((), "int32")
+    if not (len(shape) == 1 or (len(shape) == 2 and shape[-1] == 1)):
+        raise ValueError(label_shape_message(num_classes, shape))
+    labels = ops.reshape(y, (-1,))
+    code = ops.zeros((), "int32")
+    if is_float(dtype):
+        whole = ops.all(ops.equal(labels, ops.floor(labels)))
+        code = ops.where(whole, 0, FRACTIONAL_LABEL)
+    in_range = ops.all(ops.logical_and(labels >= 0, labels < num_classes))
+    code = first_error(code, ops.where(in_range, 0, LABEL_RANGE))
+    indices = ops.cast(ops.clip(labels, 0, num_classes - 1), "int32")
+    return ops.one_hot(indices, num_classes, dtype="float32"), code
+
+
+# -------------------------------------------------------------- objective
+
+
+def objective(forward, input_gradients, x, labels_one_hot, sample_weight, weights,
+              settings, scale=None):
+    """The DUQ objective of one batch, statelessly: `(objective, aux)`.
+
+    Args:
+        forward: `forward(x) -> (log_kernel, state)`: the model's forward
+            pass; `state` is whatever the backend needs back from it (the
+            layers' new non-trainable values on JAX).
+        input_gradients: `input_gradients(function, tensors) ->
+            (gradients, aux)`: the gradient of `function(tensors) -> (scalar,
+            aux)` with respect to `tensors`, itself differentiable (nested
+            differentiation).
+        x: standardised inputs; the penalty is taken with respect to the
+            floating-point ones.
+        labels_one_hot, sample_weight: from `check_batch`.
+        weights: the trainable weights (or their values), for weight decay.
+        settings: `ObjectiveSettings`.
+        scale: the loss scale (mixed_float16), or `None`. The penalty's
+            input gradient flows back through float16 layers, where small
+            values underflow to zero just as weight gradients do: `sum_c K_c`
+            is scaled by the same power of two (exact), and an overflow makes
+            the step non-finite, so that the optimizer skips it and lowers
+            the scale.
+
+    Returns:
+        `(objective, (log_kernel, penalty, bce, state))`: the scalar
+        objective (cross-entropy + weighted penalty + weight decay), the log
+        kernel values, the per-example penalty (`None` without one), the
+        cross-entropy part and `forward`'s state.
+    """
+    if settings.penalty is None:
+        log_kernel, state = forward(x)
+        penalty = None
+    else:
+        log_kernel, penalty, state = log_kernel_and_penalty(
+            forward, input_gradients, x, settings.penalty, scale
+        )
+    loss, bce = _ops.duq_loss(
+        log_kernel, labels_one_hot, penalty, settings.penalty_weight, sample_weight,
+        settings.bce_epsilon,
+    )
+    total = loss + _ops.coupled_weight_decay_loss(weights, settings.weight_decay)
+    return total, (log_kernel, penalty, bce, state)
+
+
+def log_kernel_and_penalty(forward, input_gradients, x, penalty, scale=None):
+    """`(log_kernel, per-example penalty, state)`: `objective`'s forward pass."""
+    flat = keras.tree.flatten(x)
+    positions = [i for i, t in enumerate(flat) if is_float(t.dtype)]
+
+    def kernel_sum(float_inputs):
+        values = list(flat)
+        for position, value in zip(positions, float_inputs):
+            values[position] = value
+        log_kernel, state = forward(keras.tree.pack_sequence_as(x, values))
+        total = ops.sum(ops.exp(log_kernel))
+        if scale is not None:
+            total = total * scale
+        return total, (log_kernel, state)
+
+    gradients, (log_kernel, state) = input_gradients(
+        kernel_sum, [flat[i] for i in positions]
+    )
+    if scale is not None:
+        gradients = [None if g is None else ops.cast(g, "float32") / scale for g in gradients]
+    norms = _ops.gradient_norms(gradients)
+    return log_kernel, _ops.gradient_penalty(norms, penalty), state
+
+
+# -------------------------------------------------------------- centroids
+
+
+def centroid_update(layer, features, labels_one_hot, all_reduce=None):
+    """`(counts, sums, finite)`: a `DUQOutput`'s centroid state after one batch.
+
+    Reads the layer's current state (its variables, or their values in a
+    `keras.StatelessScope`) and assigns nothing. `all_reduce(counts, sums)`
+    sums the batch statistics over replicas where the batch is split.
+    """
+    counts, sums = _ops.centroid_statistics(
+        layer.embed(features), ops.cast(labels_one_hot, "float32")
+    )
+    if all_reduce is not None:
+        counts, sums = all_reduce(counts, sums)
+    new_counts = _ops.moving_average(layer.centroid_counts.value, counts, layer.momentum)
+    new_sums = _ops.moving_average(layer.centroid_sums.value, sums, layer.momentum)
+    return new_counts, new_sums, all_finite([new_counts, new_sums])
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def first_error(code, new_code):
+    """`code` if it is an error already, else `new_code` (int32)."""
+    return ops.cast(ops.where(ops.not_equal(code, 0), code, new_code), "int32")
+
+
+def all_finite(tensors):
+    """Whether every floating-point tensor in `tensors` is finite (a bool tensor)."""
+    # Integer state (e.g. a layer's random seed) is always finite.
+    checks = [
+        ops.all(ops.isfinite(t))
+        for t in tensors
+        if t is not None and is_float(t.dtype)
+    ]
+    if not checks:
+        return ops.convert_to_tensor(True)
+    return ops.all(ops.stack(checks))
+
+
+class Trainer:
+    """The backend-neutral methods of `DUQModel`'s steps (a `keras.Model` mixin)."""
+
+    @property
+    def _lazy_penalty(self):
+        """Whether training computes the penalty on some steps only."""
+        return self.gradient_penalty > 0 and self.penalty_interval > 1
+
+    def _is_penalty_step(self, iterations):
+        """Whether the lazy penalty is computed at optimizer step `iterations`."""
+        return ops.equal(iterations % self.penalty_interval, 0)
+
+    def _objective_settings(self, training, with_penalty=True):
+        """`ObjectiveSettings` of a training (or evaluation) step.
+
+        A training step of a lazy penalty weighs it by `penalty_interval`,
+        so that it weighs as much per step on average.
+        """
+        penalised = self.gradient_penalty > 0 and with_penalty
+        weight = self.gradient_penalty * (self.penalty_interval if training else 1)
+        return ObjectiveSettings(
+            penalty=self.penalty if penalised else None,
+            penalty_weight=weight,
+            weight_decay=self.weight_decay,
+            bce_epsilon=self.bce_epsilon,
+        )
+
+    def _check_batch(self, x, y, sample_weight):
+        """`check_batch` for this model; structural errors raise here."""
+        if self.loss is not None:  # only if `compile`'s check was bypassed
+            raise ValueError(own_loss_message(self.loss))
+        if y is None:
+            raise ValueError(
+                "DUQModel needs labels to train and evaluate: pass `y` (or a "
+                "dataset of `(x, y)` pairs)."
+            )
+        return check_batch(
+            self.feature_extractor.input, x, y, sample_weight, self._labels_to_one_hot
+        )
+
+    def _labels_to_one_hot(self, y):
+        return labels_to_one_hot(y, self.num_classes)
+
+    def _log_kernel(self, x, training):
+        """The forward pass: log kernel values `(batch, num_classes)`."""
+        features = self.feature_extractor(x, training=training)
+        return self.duq_output.log_kernel_values(features)
+
+    def _layer_state(self):
+        """Variables that layers assign in the forward pass.
+
+        Non-trainable state (BatchNormalization's moving statistics), and
+        the kernels of Keras's `SpectralNormalization`, which writes the
+        normalised kernel back into the wrapped layer's trainable kernel.
+        """
+        centroid_state = (self.duq_output.centroid_counts, self.duq_output.centroid_sums)
+        state = [
+            variable
+            for variable in self.non_trainable_variables
+            if all(variable is not other for other in centroid_state)
+        ]
+        return state + [
+            layer.kernel
+            for layer in _compat.all_layers(self.feature_extractor)
+            if isinstance(layer, keras.layers.SpectralNormalization)
+        ]
+
+    def _make_uncompiled(self, make, force):
+        """Keras's train or test function `make(force)`, never compiled whole."""
+        jit_compile = self.jit_compile
+        self.jit_compile = False
+        try:
+            return make(force)
+        finally:
+            self.jit_compile = jit_compile
+
+    def _uses_loss_scale(self):
+        return isinstance(getattr(self, "optimizer", None), keras.optimizers.LossScaleOptimizer)
+
+    @staticmethod
+    def prepare_arguments(method, arguments):
+        """`fit`/`evaluate`/`predict` arguments as this backend feeds them best."""
+        return arguments
+
+    error_tracker_class = None

@@ -1,0 +1,205 @@
+"""The same DUQ behaviour on every Keras backend, checked in this process.
+
+Run the file under `KERAS_BACKEND=tensorflow`, `jax` and `torch`: nothing
+here depends on which one.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_duq
+from backend_subprocess import data as _data
+from backend_subprocess import make_model as _model
+
+
+def _rejection_errors():
+    """What a rejected batch raises: a `ValueError`, or TensorFlow's graph error."""
+    if keras.backend.backend() != "tensorflow":
+        return ValueError
+    import tensorflow as tf
+
+    return (ValueError, tf.errors.InvalidArgumentError)
+
+
+def _state(model):
+    return [keras.ops.convert_to_numpy(v) for v in model.weights + model.optimizer.variables]
+
+
+def _unchanged(model, state):
+    return all(np.array_equal(a, b) for a, b in zip(state, _state(model)))
+
+
+@pytest.fixture
+def policy():
+    """Sets a global dtype policy for one test and restores float32 after."""
+    yield keras.mixed_precision.set_global_policy
+    keras.mixed_precision.set_global_policy("float32")
+
+
+def test_fit_evaluate_predict_callbacks_and_keras_file(tmp_path):
+    model = _model()
+    x, y = _data(n=64)
+    stopper = keras.callbacks.EarlyStopping(monitor="val_loss", patience=10)
+    history = model.fit(
+        x, y, batch_size=16, epochs=2, validation_data=(x, y), verbose=0,
+        callbacks=[stopper],
+    ).history
+    assert {"loss", "bce", "gradient_penalty", "accuracy", "val_loss"} <= set(history)
+    assert "duq_error_code" not in history
+    assert np.isfinite(history["loss"]).all()
+    assert int(model.optimizer.iterations) == 8
+    logs = model.evaluate(x, y, verbose=0, return_dict=True)
+    assert logs["loss"] == pytest.approx(history["val_loss"][-1], rel=1e-5)
+    kernels = model.predict(x, verbose=0)
+    assert kernels.shape == (64, 3) and kernels.dtype == np.float32
+    assert 0.0 <= kernels.min() <= kernels.max() <= 1.0
+    assert logs["accuracy"] == pytest.approx(np.mean(kernels.argmax(1) == y), abs=1e-6)
+
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    reloaded = keras.saving.load_model(path)
+    np.testing.assert_allclose(reloaded.predict(x, verbose=0), kernels, atol=1e-6)
+    assert int(reloaded.optimizer.iterations) == 8
+    reloaded.fit(x, y, batch_size=16, epochs=1, verbose=0)  # keeps training
+    assert int(reloaded.optimizer.iterations) == 12
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("too_large", "class indices in"),
+        ("negative", "class indices in"),
+        ("fractional", "fractional"),
+        ("nan_input", "NaN"),
+        ("overflow", "non-finite"),
+    ],
+)
+def test_rejected_batch_changes_nothing(case, message):
+    # Not a weight, centroid, optimizer slot or `optimizer.iterations`: a
+    # learning-rate schedule stays where it was.
+    model = _model()
+    x, y = _data(n=32)
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    assert int(model.optimizer.iterations) == 4
+    bad_x, bad_y = {
+        "too_large": (x, y + 3),
+        "negative": (x, y - 1),
+        "fractional": (x, y + 0.5),
+        "nan_input": (np.where(np.arange(32)[:, None, None, None] == 3, np.nan, x), y),
+        "overflow": (x * 1e30, y),
+    }[case]
+    state = _state(model)
+    with pytest.raises(_rejection_errors(), match=message):
+        model.fit(
+            bad_x.astype("float32"), bad_y, batch_size=16, epochs=1, shuffle=False,
+            verbose=0,
+        )
+    assert _unchanged(model, state)
+    assert int(model.optimizer.iterations) == 4
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)  # still trains
+    assert int(model.optimizer.iterations) == 6
+
+
+class _OverflowsInInference(keras.layers.Layer):
+    """Features that overflow in inference mode only: the step is finite, the centroids not."""
+
+    def call(self, x, training=None):
+        return x if training else x * keras.ops.exp(keras.ops.abs(x))
+
+
+def test_failed_centroid_update_puts_the_step_back():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    x = _OverflowsInInference()(keras.layers.Dense(8)(inputs))
+    outputs = keras_duq.DUQOutput(3, centroid_dims=6, length_scale=0.5)(x)
+    model = keras_duq.DUQModel(inputs, outputs, gradient_penalty=0.0)
+    model.compile(optimizer=keras.optimizers.SGD(1e-6, momentum=0.9))
+    x = np.random.default_rng(0).normal(size=(16, 4)).astype("float32")
+    y = np.arange(16) % 3
+    model.fit(x, y, batch_size=16, verbose=0)
+    state = _state(model)
+    # exp(1000) overflows float32 in inference mode: the centroid update.
+    with pytest.raises(_rejection_errors(), match="centroid update is not finite"):
+        model.fit(1000 * x, y, batch_size=16, verbose=0)
+    assert _unchanged(model, state)
+    assert int(model.optimizer.iterations) == 1
+
+
+def test_bad_labels_in_evaluate_raise():
+    model = _model()
+    x, y = _data(n=32)
+    with pytest.raises(_rejection_errors(), match="fractional"):
+        model.evaluate(x, y + 0.5, verbose=0)
+    with pytest.raises(ValueError, match="labels of shape"):
+        model.fit(x, np.zeros((32, 2, 2)), verbose=0)
+
+
+def test_label_formats_and_sample_weights_agree():
+    model = _model()
+    x, y = _data(n=32)
+    reference = model.evaluate(x, y, verbose=0, return_dict=True)
+    for labels in (y[:, None], np.eye(3, dtype="float32")[y], y.astype("float32")):
+        logs = model.evaluate(x, labels, verbose=0, return_dict=True)
+        assert logs["loss"] == pytest.approx(reference["loss"], rel=1e-6)
+    doubled = model.evaluate(x, y, sample_weight=np.full(32, 2.0), verbose=0, return_dict=True)
+    assert doubled["bce"] == pytest.approx(2 * reference["bce"], rel=1e-5)
+
+
+def test_lazy_penalty_is_the_scaled_penalty_on_every_kth_step_only():
+    # penalty_interval=2, lambda=0.5: step 0 is an exact step with lambda=1,
+    # step 1 a step without the penalty (plain SGD, so no optimizer state).
+    x, y = _data(n=16)
+
+    def trained(gradient_penalty, start=None, **kwargs):
+        model = _model(gradient_penalty, momentum=0.0, **kwargs)
+        if start is not None:
+            model.set_weights(start)
+        model.logs = model.fit(x, y, batch_size=16, shuffle=False, verbose=0).history
+        return model
+
+    def difference(a, b):
+        return max(float(np.abs(u - v).max()) for u, v in zip(a, b))
+
+    lazy = trained(0.5, penalty_interval=2)
+    assert difference(lazy.get_weights(), trained(1.0).get_weights()) <= 1e-5
+    assert lazy.logs["gradient_penalty"][0] > 0
+    after_first = lazy.get_weights()
+    lazy.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    plain = trained(0.0, start=after_first)
+    assert difference(lazy.get_weights(), plain.get_weights()) <= 1e-5
+    assert difference(lazy.get_weights(), after_first) > 1e-3
+    assert keras_duq.DUQModel.from_config(lazy.get_config()).penalty_interval == 2
+
+
+@pytest.mark.parametrize("name", ["mixed_bfloat16", "mixed_float16"])
+def test_mixed_precision_trains(policy, name):
+    policy(name)
+    model = _model(gradient_penalty=1.0)
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer) == (
+        name == "mixed_float16"
+    )
+    x, y = _data()
+    history = model.fit(x, y, batch_size=16, epochs=4, verbose=0).history
+    assert np.isfinite(history["loss"]).all()
+    assert history["loss"][-1] < history["loss"][0]
+    assert model.predict(x[:4], verbose=0).dtype == np.float32
+
+
+def test_overflowing_loss_scaled_step_is_skipped(policy):
+    model = _model(batch_norm=False)
+    model.compile(
+        optimizer=keras.optimizers.LossScaleOptimizer(
+            keras.optimizers.SGD(0.05), initial_scale=3e38
+        )
+    )
+    x, y = _data(n=16)
+    model.optimizer.build(model.trainable_weights)
+    weights = [keras.ops.convert_to_numpy(v) for v in model.weights]
+    # Far-away inputs: 3e38 * loss overflows float32, and so does the
+    # penalty's input gradient, scaled by the same 3e38.
+    logs = model.train_on_batch(100 * x, y, return_dict=True)
+    assert all(np.array_equal(a, keras.ops.convert_to_numpy(b)) for a, b in zip(weights, model.weights))
+    assert float(model.optimizer.dynamic_scale) < 3e38
+    assert int(model.optimizer.iterations) == 0
+    assert all(np.isfinite(value) for value in logs.values()), logs

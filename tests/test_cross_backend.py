@@ -1,0 +1,97 @@
+"""TensorFlow, JAX and PyTorch train the same model the same way, and share `.keras` files.
+
+Each backend runs in its own subprocess (a process has one backend); the
+tests run once, in the suite's TensorFlow run.
+"""
+
+import json
+
+import numpy as np
+import pytest
+from backend_subprocess import run
+
+BACKENDS = ("tensorflow", "jax", "torch")
+
+pytestmark = pytest.mark.requires_backend("tensorflow")
+
+# Same initial weights (written by TensorFlow), same 3 batches, a CNN with
+# BatchNormalization, the penalty on and momentum SGD; then the trained
+# model is saved as a `.keras` file with its predictions.
+_TRAIN = """
+    model = make_model()
+    x, y = data()
+    folder = sys.argv[1]
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        model.save_weights(os.path.join(folder, "initial.weights.h5"))
+        np.savez(os.path.join(folder, "initial.npz"), *state(model))
+    model.load_weights(os.path.join(folder, "initial.weights.h5"))
+    model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    np.savez(os.path.join(folder, backend + ".npz"), *state(model))
+    model.save(os.path.join(folder, backend + ".keras"))
+    np.save(os.path.join(folder, backend + "_predictions.npy"), model.predict(x, verbose=0))
+    print(json.dumps({"names": [v.path for v in model.weights]}))
+"""
+
+# Loads the other backends' files: same predictions, and training goes on.
+_LOAD = """
+    folder = sys.argv[1]
+    x, y = data()
+    results = {}
+    for source in json.loads(sys.argv[2]):
+        model = keras.saving.load_model(os.path.join(folder, source + ".keras"))
+        expected = np.load(os.path.join(folder, source + "_predictions.npy"))
+        error = float(np.abs(model.predict(x, verbose=0) - expected).max())
+        before = int(model.optimizer.iterations)
+        history = model.fit(x, y, batch_size=32, epochs=1, verbose=0).history
+        results[source] = dict(
+            error=error,
+            steps=int(model.optimizer.iterations) - before,
+            loss=history["loss"][0],
+        )
+    print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """The folder where each backend trained 3 steps, and the weights' names."""
+    folder = tmp_path_factory.mktemp("backends")
+    names = None
+    for backend in BACKENDS:  # TensorFlow first: it writes the initial weights
+        names = run(_TRAIN, backend=backend, args=[str(folder)])["names"]
+    return folder, names
+
+
+def test_backends_agree_after_three_steps(trained):
+    folder, names = trained
+    values = {}
+    for name in ("initial",) + BACKENDS:
+        with np.load(folder / f"{name}.npz") as arrays:
+            values[name] = [arrays[f"arr_{i}"] for i in range(len(names))]
+    changed = 0
+    for backend in ("jax", "torch"):
+        report = []
+        for name, start, reference, value in zip(
+            names, values["initial"], values["tensorflow"], values[backend]
+        ):
+            change = np.abs(reference - start).max()
+            difference = np.abs(value - reference).max()
+            report.append((name, float(difference), float(change)))
+            # The convolution's bias feeds BatchNormalization, which removes
+            # any shift: its exact change is 0 (no weight decay at 0), so
+            # what moves it is rounding, 1e-8 on any backend.
+            assert difference <= max(1e-3 * change, 1e-6), (backend, report)
+        print(backend, "against tensorflow:", report)
+        changed = sum(change > 1e-6 for _, _, change in report)
+    assert changed >= 8  # conv kernel, BN (4), W, centroid counts and sums
+
+
+def test_keras_files_load_on_every_backend_and_keep_training(trained):
+    folder, _ = trained
+    for backend in BACKENDS:
+        sources = [source for source in BACKENDS if source != backend]
+        results = run(_LOAD, backend=backend, args=[str(folder), json.dumps(sources)])
+        for source, result in results.items():
+            assert result["error"] <= 1e-5, (source, backend, result)
+            assert result["steps"] == 3 and np.isfinite(result["loss"]), (source, backend)
