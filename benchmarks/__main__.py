@@ -24,7 +24,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.speed import NETWORKS, PREDICT_KINDS, TRAIN_KINDS
+from benchmarks.speed import NETWORKS
+from benchmarks.speed import PREDICT_KINDS
+from benchmarks.speed import TRAIN_KINDS
 
 ROOT = Path(__file__).resolve().parents[1]
 # Backend name -> the module it needs.

@@ -59,11 +59,16 @@ def worker(batch_size, steps):
         backbone = example.build_backbone()
         optimizer = keras.optimizers.SGD(0.05, momentum=0.9)
         if kind == "softmax":
-            model = keras.Sequential([backbone, keras.layers.Dense(CLASSES, activation="softmax")])
+            model = keras.Sequential(
+                [backbone, keras.layers.Dense(CLASSES, activation="softmax")]
+            )
             model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy")
         else:
             model = keras_duq.wrap(
-                backbone, CLASSES, centroid_dims=CENTROID_DIMS, length_scale=LENGTH_SCALE,
+                backbone,
+                CLASSES,
+                centroid_dims=CENTROID_DIMS,
+                length_scale=LENGTH_SCALE,
                 gradient_penalty=PENALTY if kind == "duq_penalty" else 0.0,
             )
             model.compile(optimizer=optimizer)
@@ -95,9 +100,13 @@ def _backend_version():
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
+    parser.add_argument(
+        "--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS
+    )
     parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=10, help="steps per timed fit call")
+    parser.add_argument(
+        "--steps", type=int, default=10, help="steps per timed fit call"
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--output", default=None)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -108,20 +117,35 @@ def main(argv=None):
     for backend in args.backends:
         env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
         workers[backend] = subprocess.Popen(
-            [sys.executable, __file__, "--worker", "--batch-size", str(args.batch_size),
-             "--steps", str(args.steps)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+            [
+                sys.executable,
+                __file__,
+                "--worker",
+                "--batch-size",
+                str(args.batch_size),
+                "--steps",
+                str(args.steps),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
         )
     for backend, process in workers.items():
         versions[backend] = json.loads(process.stdout.readline())
     times = {backend: {kind: [] for kind in KINDS} for backend in workers}
     for round_ in range(args.rounds):
-        order = args.backends[round_ % len(args.backends):] + args.backends[:round_ % len(args.backends)]
+        order = (
+            args.backends[round_ % len(args.backends) :]
+            + args.backends[: round_ % len(args.backends)]
+        )
         for backend in order:
             for kind in KINDS:
                 workers[backend].stdin.write(kind + "\n")
                 workers[backend].stdin.flush()
-                times[backend][kind].append(json.loads(workers[backend].stdout.readline()))
+                times[backend][kind].append(
+                    json.loads(workers[backend].stdout.readline())
+                )
     for process in workers.values():
         process.stdin.close()
         process.wait()
@@ -141,8 +165,12 @@ def main(argv=None):
         report["ms_per_step"][backend] = {
             **{kind: round(value, 1) for kind, value in medians.items()},
             "duq_over_softmax": round(medians["duq"] / medians["softmax"], 2),
-            "duq_penalty_over_softmax": round(medians["duq_penalty"] / medians["softmax"], 2),
-            "all": {kind: [round(v, 1) for v in values] for kind, values in by_kind.items()},
+            "duq_penalty_over_softmax": round(
+                medians["duq_penalty"] / medians["softmax"], 2
+            ),
+            "all": {
+                kind: [round(v, 1) for v in values] for kind, values in by_kind.items()
+            },
         }
         row = report["ms_per_step"][backend]
         print(

@@ -51,7 +51,10 @@ def build(health_checks):
     spec.loader.exec_module(example)
     keras.utils.set_random_seed(0)
     model = keras_duq.wrap(
-        example.build_backbone(), 10, centroid_dims=256, gradient_penalty=0.05,
+        example.build_backbone(),
+        10,
+        centroid_dims=256,
+        gradient_penalty=0.05,
         health_checks=health_checks,
     )
     model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9))
@@ -113,13 +116,18 @@ def main(argv=None):
     wall_ratios = np.array(wall[True]) / np.array(wall[False])
     cpu_ratios = np.array(cpu[True]) / np.array(cpu[False])
     with_checks, without = (float(np.median(wall[c])) for c in (True, False))
-    print(f"median step: {1000 * with_checks:.1f} ms with checks, {1000 * without:.1f} ms "
-          f"without; median ratio {np.median(wall_ratios):.4f} (wall), "
-          f"{np.median(cpu_ratios):.4f} (CPU time)", flush=True)
+    print(
+        f"median step: {1000 * with_checks:.1f} ms with checks, {1000 * without:.1f} ms "
+        f"without; median ratio {np.median(wall_ratios):.4f} (wall), "
+        f"{np.median(cpu_ratios):.4f} (CPU time)",
+        flush=True,
+    )
     # The added computation alone, in a compiled function as in the step:
     # robust to a busy machine, where the step-time ratio is noisy.
     trackers = models[True]._health_trackers
-    log_kernel = tf.constant(rng.normal(-5.0, 3.0, size=(args.batch_size, 10)), "float32")
+    log_kernel = tf.constant(
+        rng.normal(-5.0, 3.0, size=(args.batch_size, 10)), "float32"
+    )
     penalty = tf.constant(rng.uniform(0.0, 1.0, size=args.batch_size), "float32")
     weight = tf.constant(float(args.batch_size))
     update = tf.function(
@@ -143,7 +151,7 @@ def main(argv=None):
     per_epoch = epoch_end / (FASHION_MNIST_STEPS_PER_EPOCH * without)
     report = {
         "what": "DUQ training step of the paper's FashionMNIST CNN, batch 128, "
-                "gradient penalty 0.05, with and without health checks",
+        "gradient penalty 0.05, with and without health checks",
         "machine": cpu_name(),
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
@@ -171,7 +179,9 @@ def main(argv=None):
         "checks_alone_per_fashion_mnist_epoch": round(
             metric_update / without + per_epoch, 5
         ),
-        "command": " ".join(["python -m benchmarks.health_overhead"] + (argv or sys.argv[1:])),
+        "command": " ".join(
+            ["python -m benchmarks.health_overhead"] + (argv or sys.argv[1:])
+        ),
     }
     text = json.dumps(report, indent=1)
     if args.output:

@@ -46,13 +46,15 @@ OLD_DEFAULTS = {
 
 def quickstart_backbone():
     """The README quickstart's backbone of keras_duq 0.2.0."""
-    return keras.Sequential([
-        keras.Input((28, 28, 1)),
-        keras.layers.Conv2D(64, 3, padding="same", activation="relu"),
-        keras.layers.MaxPooling2D(),
-        keras.layers.Conv2D(128, 3, padding="same", activation="relu"),
-        keras.layers.GlobalAveragePooling2D(),
-    ])
+    return keras.Sequential(
+        [
+            keras.Input((28, 28, 1)),
+            keras.layers.Conv2D(64, 3, padding="same", activation="relu"),
+            keras.layers.MaxPooling2D(),
+            keras.layers.Conv2D(128, 3, padding="same", activation="relu"),
+            keras.layers.GlobalAveragePooling2D(),
+        ]
+    )
 
 
 def paper_backbone():
@@ -71,43 +73,55 @@ def paper_backbone():
 
 def batchnorm_backbone():
     """A small residual-free CNN with BatchNormalization, pooled features."""
+
     def block(filters):
         return [
             keras.layers.Conv2D(filters, 3, padding="same", use_bias=False),
             keras.layers.BatchNormalization(),
             keras.layers.ReLU(),
         ]
-    return keras.Sequential([
-        keras.Input((28, 28, 1)),
-        *block(32), *block(32), keras.layers.MaxPooling2D(),
-        *block(64), *block(64), keras.layers.MaxPooling2D(),
-        *block(128),
-        keras.layers.GlobalAveragePooling2D(),
-    ])
+
+    return keras.Sequential(
+        [
+            keras.Input((28, 28, 1)),
+            *block(32),
+            *block(32),
+            keras.layers.MaxPooling2D(),
+            *block(64),
+            *block(64),
+            keras.layers.MaxPooling2D(),
+            *block(128),
+            keras.layers.GlobalAveragePooling2D(),
+        ]
+    )
 
 
 def mlp_backbone():
     """A plain MLP on flattened pixels."""
-    return keras.Sequential([
-        keras.Input((28, 28, 1)),
-        keras.layers.Flatten(),
-        keras.layers.Dense(256, activation="relu"),
-        keras.layers.Dense(128, activation="relu"),
-    ])
+    return keras.Sequential(
+        [
+            keras.Input((28, 28, 1)),
+            keras.layers.Flatten(),
+            keras.layers.Dense(256, activation="relu"),
+            keras.layers.Dense(128, activation="relu"),
+        ]
+    )
 
 
 def dropout_backbone():
     """Conv, max pooling, dropout and a dense layer: a keras.io-style CNN."""
-    return keras.Sequential([
-        keras.Input((28, 28, 1)),
-        keras.layers.Conv2D(32, 3, activation="relu"),
-        keras.layers.MaxPooling2D(),
-        keras.layers.Conv2D(64, 3, activation="relu"),
-        keras.layers.MaxPooling2D(),
-        keras.layers.Flatten(),
-        keras.layers.Dropout(0.5),
-        keras.layers.Dense(128, activation="relu"),
-    ])
+    return keras.Sequential(
+        [
+            keras.Input((28, 28, 1)),
+            keras.layers.Conv2D(32, 3, activation="relu"),
+            keras.layers.MaxPooling2D(),
+            keras.layers.Conv2D(64, 3, activation="relu"),
+            keras.layers.MaxPooling2D(),
+            keras.layers.Flatten(),
+            keras.layers.Dropout(0.5),
+            keras.layers.Dense(128, activation="relu"),
+        ]
+    )
 
 
 BACKBONES = {
@@ -169,14 +183,16 @@ class EpochMetrics(keras.callbacks.Callback):
         scores = self.model.predict(x_test, batch_size=500, verbose=0)
         ood_scores = self.model.predict(x_ood, batch_size=500, verbose=0)
         certainty, ood_certainty = scores.max(1), ood_scores.max(1)
-        self.rows.append({
-            "epoch": epoch + 1,
-            "accuracy": float(np.mean(scores.argmax(1) == y_test)),
-            "auroc": evaluation.ood_metrics(certainty, ood_certainty)["auroc"],
-            "median_certainty": float(np.median(certainty)),
-            "train_accuracy": float(logs.get("accuracy", np.nan)),
-            "time_s": time.time() - self.start,
-        })
+        self.rows.append(
+            {
+                "epoch": epoch + 1,
+                "accuracy": float(np.mean(scores.argmax(1) == y_test)),
+                "auroc": evaluation.ood_metrics(certainty, ood_certainty)["auroc"],
+                "median_certainty": float(np.median(certainty)),
+                "train_accuracy": float(logs.get("accuracy", np.nan)),
+                "time_s": time.time() - self.start,
+            }
+        )
         print(json.dumps(self.rows[-1]), flush=True)
 
     def on_train_begin(self, logs=None):
@@ -195,15 +211,19 @@ def main(argv=None):
     parser.add_argument("--train-subset", type=int, default=None)
     parser.add_argument("--mnist-path", default=None)
     parser.add_argument(
-        "--feature-layer", choices=("none", "batch_norm", "layer_norm", "linear"),
-        default="none", help="A layer appended to the backbone's features.",
+        "--feature-layer",
+        choices=("none", "batch_norm", "layer_norm", "linear"),
+        default="none",
+        help="A layer appended to the backbone's features.",
     )
     parser.add_argument(
-        "--standardize", action="store_true",
+        "--standardize",
+        action="store_true",
         help="Standardise images with FashionMNIST's mean and std (else [0, 1]).",
     )
     parser.add_argument(
-        "--input-normalization", action="store_true",
+        "--input-normalization",
+        action="store_true",
         help="Put a keras.layers.Normalization, adapted on x_train, first.",
     )
     parser.add_argument("--label", default="")
@@ -226,7 +246,9 @@ def main(argv=None):
         model = keras_duq.wrap(backbone, 10, **wrap_kwargs)
         model.compile(optimizer=make_optimizer(args.optimizer))
     else:
-        model = keras.Sequential([backbone, keras.layers.Dense(10, activation="softmax")])
+        model = keras.Sequential(
+            [backbone, keras.layers.Dense(10, activation="softmax")]
+        )
         model.compile(
             optimizer=make_optimizer(args.optimizer),
             loss="sparse_categorical_crossentropy",
@@ -234,8 +256,12 @@ def main(argv=None):
         )
     metrics = EpochMetrics(x_test, y_test, x_ood, args.head)
     model.fit(
-        x_train, y_train, batch_size=args.batch_size, epochs=args.epochs,
-        callbacks=[metrics], verbose=0,
+        x_train,
+        y_train,
+        batch_size=args.batch_size,
+        epochs=args.epochs,
+        callbacks=[metrics],
+        verbose=0,
     )
     record = {
         "label": args.label,

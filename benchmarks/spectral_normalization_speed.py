@@ -9,7 +9,8 @@ load; the report gives each model's mean step time, as wall time and as
 this process's CPU time (less sensitive to other work on a shared machine),
 and the ratios.
 
-    python -m benchmarks.spectral_normalization_speed --output benchmarks/spectral_normalization_speed.json
+    python -m benchmarks.spectral_normalization_speed \
+        --output benchmarks/spectral_normalization_speed.json
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ from pathlib import Path
 
 import keras
 import numpy as np
-from reproduction import fashion_mnist
-from reproduction.studies.cifar10_speed import cpu_model
 
 import keras_duq
+from reproduction import fashion_mnist
+from reproduction.studies.cifar10_speed import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH_SIZE = 128
@@ -90,7 +91,9 @@ def main(argv=None):
         "steps_per_round": args.steps,
         "rounds": args.rounds,
         "mean_step_ms": {n: round(1000 * v, 1) for n, v in mean.items()},
-        "per_round_step_ms": {n: [round(1000 * v, 1) for v in s] for n, s in seconds.items()},
+        "per_round_step_ms": {
+            n: [round(1000 * v, 1) for v in s] for n, s in seconds.items()
+        },
         "time_vs_plain": round(mean["spectral_normalization"] / mean["plain"], 3),
         "mean_cpu_ms_per_step": {n: round(1000 * v, 1) for n, v in cpu_mean.items()},
         "cpu_time_vs_plain": round(
@@ -101,10 +104,14 @@ def main(argv=None):
             for a, b in zip(seconds["spectral_normalization"], seconds["plain"])
         ],
     }
-    print(f"FashionMNIST CNN + DUQ with penalty, batch {BATCH_SIZE}, mean of {args.rounds} rounds:")
+    print(
+        f"FashionMNIST CNN + DUQ with penalty, batch {BATCH_SIZE}, mean of {args.rounds} rounds:"
+    )
     for name in names:
         print(f"  {name:<24} {report['mean_step_ms'][name]:7.1f} ms per step")
-    print(f"  ratio: {report['time_vs_plain']:.3f}x (CPU time: {report['cpu_time_vs_plain']:.3f}x)")
+    print(
+        f"  ratio: {report['time_vs_plain']:.3f}x (CPU time: {report['cpu_time_vs_plain']:.3f}x)"
+    )
     if args.output:
         Path(args.output).write_text(json.dumps(report, indent=1) + "\n")
 

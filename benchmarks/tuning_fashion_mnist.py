@@ -70,12 +70,18 @@ def run_seed(seed, args):
     final = fashion_mnist.main(
         example_args
         + [
-            "--epochs", str(args.final_epochs),
-            "--length-scale", str(result.best["length_scale"]),
-            "--gradient-penalty", str(result.best["gradient_penalty"]),
-            "--output-dir", os.path.join(args.output_dir, f"seed{seed}"),
-            "--ood-eval-every", "0",
-            "--verbose", "0",
+            "--epochs",
+            str(args.final_epochs),
+            "--length-scale",
+            str(result.best["length_scale"]),
+            "--gradient-penalty",
+            str(result.best["gradient_penalty"]),
+            "--output-dir",
+            os.path.join(args.output_dir, f"seed{seed}"),
+            "--ood-eval-every",
+            "0",
+            "--verbose",
+            "0",
         ]
     )
     return {
@@ -86,8 +92,11 @@ def run_seed(seed, args):
         "chosen_values": {
             key: final[key]
             for key in (
-                "accuracy", "auroc", "validation_accuracy",
-                "validation_misclassification_auroc", "train_time_s",
+                "accuracy",
+                "auroc",
+                "validation_accuracy",
+                "validation_misclassification_auroc",
+                "train_time_s",
             )
         },
     }

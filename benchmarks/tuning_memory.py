@@ -53,10 +53,16 @@ def measure(case):
         if case == "duq_clear_session":
             keras.backend.clear_session()
         backbone = keras.Sequential(
-            [keras.Input((2,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(32)]
+            [
+                keras.Input((2,)),
+                keras.layers.Dense(32, activation="relu"),
+                keras.layers.Dense(32),
+            ]
         )
         if case == "softmax":
-            model = keras.Sequential([backbone, keras.layers.Dense(2, activation="softmax")])
+            model = keras.Sequential(
+                [backbone, keras.layers.Dense(2, activation="softmax")]
+            )
             model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
         else:
             model = keras_duq.wrap(backbone, 2, length_scale=0.3, gradient_penalty=0.1)
@@ -85,16 +91,26 @@ def main():
         env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="2")
         output = subprocess.run(
             [sys.executable, __file__, f"--child={case}"],
-            env=env, capture_output=True, text=True, check=True,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout
         rows = json.loads(output.strip().splitlines()[-1])
         # From the second model on: the first includes one-off start-up costs.
         growth = (rows[-1]["resident_mb"] - rows[0]["resident_mb"]) / (len(rows) - 1)
         results.append(
-            {"backend": backend, "case": case, "mb_per_model": round(growth, 1), "rows": rows}
+            {
+                "backend": backend,
+                "case": case,
+                "mb_per_model": round(growth, 1),
+                "rows": rows,
+            }
         )
-        print(f"{backend} {case}: {growth:.1f} MB per model, "
-              f"{rows[-1]['alive']} of {NUM_MODELS} models alive")
+        print(
+            f"{backend} {case}: {growth:.1f} MB per model, "
+            f"{rows[-1]['alive']} of {NUM_MODELS} models alive"
+        )
     path = Path(__file__).with_name("tuning_memory.json")
     path.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {path}")

@@ -47,6 +47,7 @@ def demo_wrap():
         weight_decay=1e-4,
     )
 
+
 NUM_VALIDATION = 500
 
 
@@ -127,7 +128,11 @@ def run_seed(seed, epochs_per_trial, backbone):
 def environment():
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model = next(
-        (line.split(":", 1)[1].strip() for line in cpu.splitlines() if "Model name" in line),
+        (
+            line.split(":", 1)[1].strip()
+            for line in cpu.splitlines()
+            if "Model name" in line
+        ),
         platform.processor(),
     )
     return {
@@ -144,7 +149,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--epochs-per-trial", type=int, default=10)
-    parser.add_argument("--backbone", choices=("residual_sn", "paper"), default="residual_sn")
+    parser.add_argument(
+        "--backbone", choices=("residual_sn", "paper"), default="residual_sn"
+    )
     parser.add_argument(
         "--output", help="default: benchmarks/tuning_two_moons[_paper].json"
     )

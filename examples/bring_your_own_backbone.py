@@ -31,7 +31,8 @@ import keras
 import numpy as np
 
 import keras_duq
-from keras_duq import datasets, evaluation
+from keras_duq import datasets
+from keras_duq import evaluation
 
 parser = argparse.ArgumentParser(description="DUQ on a keras.applications backbone.")
 parser.add_argument("--epochs", type=int, default=5)

@@ -34,7 +34,8 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 import keras_duq
-from keras_duq import evaluation, plots
+from keras_duq import evaluation
+from keras_duq import plots
 
 parser = argparse.ArgumentParser(description="DUQ on CIFAR-10, SVHN as OoD.")
 parser.add_argument("--epochs", type=int, default=30)

@@ -30,7 +30,9 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 import keras_duq
-from keras_duq import datasets, evaluation, plots
+from keras_duq import datasets
+from keras_duq import evaluation
+from keras_duq import plots
 
 parser = argparse.ArgumentParser(description="DUQ on FashionMNIST, MNIST as OoD.")
 parser.add_argument("--epochs", type=int, default=10)

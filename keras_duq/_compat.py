@@ -81,7 +81,9 @@ def _moments_module():
 
 
 def _array_modules():
-    adapter = _private_module(_ARRAY_ADAPTER_MODULE, "ArrayDataAdapter", "can_convert_arrays")
+    adapter = _private_module(
+        _ARRAY_ADAPTER_MODULE, "ArrayDataAdapter", "can_convert_arrays"
+    )
     slicing = _private_module(_ARRAY_SLICING_MODULE, "train_validation_split")
     if adapter is None or slicing is None:
         _warn_once(
@@ -103,8 +105,15 @@ def is_array_data(x, y=None, sample_weight=None):
     return modules is not None and modules[0].can_convert_arrays((x, y, sample_weight))
 
 
-def array_dataset(x, y=None, sample_weight=None, batch_size=None, steps=None,
-                  shuffle=False, class_weight=None):
+def array_dataset(
+    x,
+    y=None,
+    sample_weight=None,
+    batch_size=None,
+    steps=None,
+    shuffle=False,
+    class_weight=None,
+):
     """Keras's `tf.data` pipeline for arrays, its batch count declared, autotuning off.
 
     Only call it where `is_array_data(x, y, sample_weight)` is true. The
@@ -126,7 +135,9 @@ def array_dataset(x, y=None, sample_weight=None, batch_size=None, steps=None,
     dataset = adapter.get_tf_dataset()
     # Keras's pipeline hides its length from tf.data (`flat_map`); declared,
     # `fit` shows the epoch's step count from the first epoch on.
-    dataset = dataset.apply(tf.data.experimental.assert_cardinality(adapter.num_batches))
+    dataset = dataset.apply(
+        tf.data.experimental.assert_cardinality(adapter.num_batches)
+    )
     options = tf.data.Options()
     options.autotune.enabled = False
     return dataset.with_options(options)

@@ -313,12 +313,16 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
     def fit(self, *args, **kwargs):
         if self.health_checks:
             args, kwargs = _health.with_health_check(self, super().fit, args, kwargs)
-        args, kwargs = _arguments_for(super().fit, "fit", args, kwargs, self.num_classes)
+        args, kwargs = _arguments_for(
+            super().fit, "fit", args, kwargs, self.num_classes
+        )
         return super().fit(*args, **kwargs)
 
     def evaluate(self, *args, **kwargs):
         if self.health_checks:
-            args, kwargs = _health.with_health_check(self, super().evaluate, args, kwargs)
+            args, kwargs = _health.with_health_check(
+                self, super().evaluate, args, kwargs
+            )
         args, kwargs = _arguments_for(
             super().evaluate, "evaluate", args, kwargs, self.num_classes
         )
@@ -332,7 +336,15 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
         return kernel_values
 
     def _update_duq_metrics(
-        self, x, y, sample_weight, log_kernel, penalty, objective, bce, labels_one_hot,
+        self,
+        x,
+        y,
+        sample_weight,
+        log_kernel,
+        penalty,
+        objective,
+        bce,
+        labels_one_hot,
         penalised=None,
     ):
         """Updates the trackers; `penalised` (bool tensor): whether `penalty` was computed."""
@@ -343,10 +355,16 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
         if penalty is not None:
             # A lazy penalty's `gradient_penalty` log: the mean over the
             # steps that computed it.
-            weight = batch_size if penalised is None else batch_size * ops.cast(penalised, "float32")
+            weight = (
+                batch_size
+                if penalised is None
+                else batch_size * ops.cast(penalised, "float32")
+            )
             self._penalty_tracker.update_state(ops.mean(penalty), sample_weight=weight)
         if self._health_trackers:
-            _health.update_batch_metrics(self._health_trackers, log_kernel, penalty, weight)
+            _health.update_batch_metrics(
+                self._health_trackers, log_kernel, penalty, weight
+            )
         correct = ops.cast(
             ops.equal(
                 ops.argmax(log_kernel, axis=-1), ops.argmax(labels_one_hot, axis=-1)

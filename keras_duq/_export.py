@@ -13,7 +13,8 @@ import contextlib
 import inspect
 import io
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+from typing import Any
 
 import keras
 from keras import ops
@@ -176,9 +177,13 @@ def export_saved_model(
         input_signature = [serving_input_signature(model.feature_extractor.input)]
     else:  # `keras.InputSpec`s too, as Keras's own export takes them.
         input_signature = tf.nest.map_structure(
-            lambda spec: spec
-            if isinstance(spec, tf.TensorSpec)
-            else tf.TensorSpec(spec.shape, spec.dtype, name=getattr(spec, "name", None)),
+            lambda spec: (
+                spec
+                if isinstance(spec, tf.TensorSpec)
+                else tf.TensorSpec(
+                    spec.shape, spec.dtype, name=getattr(spec, "name", None)
+                )
+            ),
             input_signature,
         )
 

@@ -32,8 +32,8 @@ from keras import ops
 
 from keras_duq import _compat
 from keras_duq import _ops
-from keras_duq._validation import check_positive_int
 from keras_duq._typing import Tensor
+from keras_duq._validation import check_positive_int
 from keras_duq._validation import is_float
 
 if TYPE_CHECKING:
@@ -180,7 +180,10 @@ def _warn(model, cause, category, message):
 
 def batch_trackers(gradient_penalty: float, penalty: str) -> list[keras.metrics.Mean]:
     """The per-batch health metrics of a model with this penalty."""
-    trackers = [keras.metrics.Mean(name="certainty"), keras.metrics.Mean(name="underflow")]
+    trackers = [
+        keras.metrics.Mean(name="certainty"),
+        keras.metrics.Mean(name="underflow"),
+    ]
     if gradient_penalty > 0 and penalty == "two_sided":
         trackers.append(keras.metrics.Mean(name="zero_input_gradient"))
     return trackers
@@ -249,7 +252,9 @@ def _batch_norm_statistics(model, layers, inputs):
         mean = batch_value(layer, layer.moving_mean)
         if getattr(layer, "renorm", False):
             # Renormalisation averages the standard deviation instead.
-            variance = np.square(batch_value(layer, layer.moving_stddev)) - layer.epsilon
+            variance = (
+                np.square(batch_value(layer, layer.moving_stddev)) - layer.epsilon
+            )
         else:
             variance = batch_value(layer, layer.moving_variance)
         statistics[layer] = (mean, np.maximum(variance, 0.0))
@@ -290,7 +295,8 @@ class _ModeComparison:
             float(np.linalg.norm(inference, axis=1).mean()),
         )
         errors = {
-            layer: _normalisation_error(layer, *statistics[layer]) for layer in self.layers
+            layer: _normalisation_error(layer, *statistics[layer])
+            for layer in self.layers
         }
         self.unsettled = sorted(
             (layer for layer in self.layers if errors[layer] > BATCH_NORM_LAYER_ERROR),
@@ -431,7 +437,10 @@ def _record_centroid_start(model):
     start = state["centroid_start"]
     # A new optimizer restarts the step count: start again from here.
     if start is None or iterations < start[1]:
-        state["centroid_start"] = (_float64(model.duq_output.centroid_counts), iterations)
+        state["centroid_start"] = (
+            _float64(model.duq_output.centroid_counts),
+            iterations,
+        )
 
 
 def _warmed_up(model):
@@ -448,7 +457,9 @@ def _warmed_up(model):
     # What is left of the initial count; the mean over classes, so that a
     # class never seen does not hold the checks back.
     initial = prior * layer.momentum**iterations
-    return bool(initial <= (1.0 - WARMUP_DATA_SHARE) * _float64(layer.centroid_counts).mean())
+    return bool(
+        initial <= (1.0 - WARMUP_DATA_SHARE) * _float64(layer.centroid_counts).mean()
+    )
 
 
 def _check_unseen_classes(model):
@@ -462,7 +473,9 @@ def _check_unseen_classes(model):
     gained = counts - counts_before * layer.momentum**steps
     if steps < WARMUP_STEPS or not gained.max() > 0:
         return
-    unseen = [int(c) for c in np.flatnonzero(gained < UNSEEN_CLASS_SHARE * gained.max())]
+    unseen = [
+        int(c) for c in np.flatnonzero(gained < UNSEEN_CLASS_SHARE * gained.max())
+    ]
     if unseen:
         _warn(
             model,
@@ -532,7 +545,11 @@ def check_predictions(model: DUQModel, kernel_values: Any) -> None:
     state = _state(model)
     if state["out_of_distribution"]:
         return
-    if isinstance(kernel_values, np.ndarray) and kernel_values.ndim == 2 and len(kernel_values):
+    if (
+        isinstance(kernel_values, np.ndarray)
+        and kernel_values.ndim == 2
+        and len(kernel_values)
+    ):
         fraction = float(np.mean(kernel_values.max(axis=1) < UNDERFLOW_KERNEL_VALUE))
         _check_underflow(model, fraction, "inference", "`predict`")
     # `predict` runs often (in callbacks, on grids): check the modes once per
@@ -663,7 +680,9 @@ class HealthCheck(keras.callbacks.Callback):
             _check_underflow(model, logs.get("underflow"), "inference", "`evaluate`")
             _check_final_state(model, self.inputs, "`evaluate`")
         elif self._epoch_warmed_up:
-            _check_underflow(model, logs.get("underflow"), "inference", "validation data")
+            _check_underflow(
+                model, logs.get("underflow"), "inference", "validation data"
+            )
 
 
 def _check_input_scale(model, inputs):

@@ -76,11 +76,19 @@ class JAXTrainer(_trainer.Trainer):
 
         def gradients_and_losses(trainable, with_penalty=True):
             def loss(trainable):
-                total, (log_kernel, penalty, bce, new_non_trainable) = _trainer.objective(
-                    self._forward(trainable, non_trainable, training=True),
-                    _input_gradients, x, labels_one_hot, sample_weight, trainable,
-                    self._objective_settings(training=True, with_penalty=with_penalty),
-                    scale,
+                total, (log_kernel, penalty, bce, new_non_trainable) = (
+                    _trainer.objective(
+                        self._forward(trainable, non_trainable, training=True),
+                        _input_gradients,
+                        x,
+                        labels_one_hot,
+                        sample_weight,
+                        trainable,
+                        self._objective_settings(
+                            training=True, with_penalty=with_penalty
+                        ),
+                        scale,
+                    )
                 )
                 if penalty is None and self._lazy_penalty:
                     # `lax.cond`'s branches return the same structure.
@@ -95,13 +103,17 @@ class JAXTrainer(_trainer.Trainer):
 
         penalised = None
         if self._lazy_penalty:
-            iterations = optimizer_variables[_index(optimizer.variables, optimizer.iterations)]
+            iterations = optimizer_variables[
+                _index(optimizer.variables, optimizer.iterations)
+            ]
             penalised = self._is_penalty_step(iterations)
-            gradients, (total, bce, log_kernel, penalty, new_non_trainable) = jax.lax.cond(
-                penalised,
-                lambda trainable: gradients_and_losses(trainable, True),
-                lambda trainable: gradients_and_losses(trainable, False),
-                trainable,
+            gradients, (total, bce, log_kernel, penalty, new_non_trainable) = (
+                jax.lax.cond(
+                    penalised,
+                    lambda trainable: gradients_and_losses(trainable, True),
+                    lambda trainable: gradients_and_losses(trainable, False),
+                    trainable,
+                )
             )
         else:
             gradients, (total, bce, log_kernel, penalty, new_non_trainable) = (
@@ -118,19 +130,31 @@ class JAXTrainer(_trainer.Trainer):
             applied = finite
         else:
             applied = jnp.array(True)
-            code = _trainer.first_error(code, jnp.where(finite, 0, _trainer.NON_FINITE_STEP))
+            code = _trainer.first_error(
+                code, jnp.where(finite, 0, _trainer.NON_FINITE_STEP)
+            )
         new_non_trainable, centroids_finite = self._update_centroids(
             new_trainable, new_non_trainable, x, labels_one_hot
         )
         code = _trainer.first_error(
-            code, jnp.where(centroids_finite | ~applied, 0, _trainer.NON_FINITE_CENTROIDS)
+            code,
+            jnp.where(centroids_finite | ~applied, 0, _trainer.NON_FINITE_CENTROIDS),
         )
 
         ok = (code == 0) & (self._previous_error(metrics_variables) == 0)
         commit = ok & applied
         new_metrics_variables, logs = self._updated_metrics(
-            metrics_variables, x, y, sample_weight,
-            log_kernel, penalty, total, bce, labels_one_hot, code, penalised,
+            metrics_variables,
+            x,
+            y,
+            sample_weight,
+            log_kernel,
+            penalty,
+            total,
+            bce,
+            labels_one_hot,
+            code,
+            penalised,
         )
         state = (
             _select(ok, new_trainable, trainable),
@@ -146,23 +170,41 @@ class JAXTrainer(_trainer.Trainer):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         x, labels_one_hot, sample_weight, code = self._check_batch(x, y, sample_weight)
         total, (log_kernel, penalty, bce, _) = _trainer.objective(
-            self._forward(trainable, non_trainable, training=False), _input_gradients,
-            x, labels_one_hot, sample_weight, trainable,
+            self._forward(trainable, non_trainable, training=False),
+            _input_gradients,
+            x,
+            labels_one_hot,
+            sample_weight,
+            trainable,
             self._objective_settings(training=False),
         )
         new_metrics_variables, logs = self._updated_metrics(
-            metrics_variables, x, y, sample_weight,
-            log_kernel, penalty, total, bce, labels_one_hot, code,
+            metrics_variables,
+            x,
+            y,
+            sample_weight,
+            log_kernel,
+            penalty,
+            total,
+            bce,
+            labels_one_hot,
+            code,
         )
         ok = (code == 0) & (self._previous_error(metrics_variables) == 0)
-        new_metrics_variables = self._select_metrics(ok, new_metrics_variables, metrics_variables)
+        new_metrics_variables = self._select_metrics(
+            ok, new_metrics_variables, metrics_variables
+        )
         return logs, (trainable, non_trainable, new_metrics_variables)
 
     def make_train_function(self, force=False):
-        return self._checked_function(super().make_train_function, "train_function", force)
+        return self._checked_function(
+            super().make_train_function, "train_function", force
+        )
 
     def make_test_function(self, force=False):
-        return self._checked_function(super().make_test_function, "test_function", force)
+        return self._checked_function(
+            super().make_test_function, "test_function", force
+        )
 
     def jax_state_sync(self):
         # Keras calls it after every epoch and evaluation; the last step's
@@ -202,7 +244,9 @@ class JAXTrainer(_trainer.Trainer):
                     pending["code"] = None
                     # Keras holds the state outside the variables during
                     # `fit`: put the (unchanged) state back into them.
-                    self._assign_state(new_state, training=attribute == "train_function")
+                    self._assign_state(
+                        new_state, training=attribute == "train_function"
+                    )
                     _compat.mark_state_restored(self)
                     raise ValueError(_trainer.error_message(code, self.num_classes))
             return logs, new_state
@@ -257,18 +301,37 @@ class JAXTrainer(_trainer.Trainer):
                 layer, features, labels_one_hot
             )
         updated = list(non_trainable)
-        updated[_index(self.non_trainable_variables, layer.centroid_counts)] = new_counts
+        updated[_index(self.non_trainable_variables, layer.centroid_counts)] = (
+            new_counts
+        )
         updated[_index(self.non_trainable_variables, layer.centroid_sums)] = new_sums
         return updated, finite
 
     def _updated_metrics(
-        self, metrics_variables, x, y, sample_weight,
-        log_kernel, penalty, total, bce, labels_one_hot, code, penalised=None,
+        self,
+        metrics_variables,
+        x,
+        y,
+        sample_weight,
+        log_kernel,
+        penalty,
+        total,
+        bce,
+        labels_one_hot,
+        code,
+        penalised=None,
     ):
         mapping = list(zip(self.metrics_variables, metrics_variables))
         with keras.StatelessScope(state_mapping=mapping) as scope:
             self._update_duq_metrics(
-                x, y, sample_weight, log_kernel, penalty, total, bce, labels_one_hot,
+                x,
+                y,
+                sample_weight,
+                log_kernel,
+                penalty,
+                total,
+                bce,
+                labels_one_hot,
                 penalised,
             )
             self._error_tracker.update_state(code)
@@ -289,7 +352,9 @@ class JAXTrainer(_trainer.Trainer):
         ]
 
     def _previous_error(self, metrics_variables):
-        return metrics_variables[_index(self.metrics_variables, self._error_tracker.code)]
+        return metrics_variables[
+            _index(self.metrics_variables, self._error_tracker.code)
+        ]
 
     def _assign_state(self, state, training):
         if training:

@@ -108,9 +108,9 @@ def binary_cross_entropy(
     log_one_minus_kernel = ops.log(
         -ops.expm1(ops.minimum(log_kernel, _LOG_KERNEL_CEILING))
     )
-    per_class = labels_one_hot * log_kernel + (
-        1.0 - labels_one_hot
-    ) * log_one_minus_kernel
+    per_class = (
+        labels_one_hot * log_kernel + (1.0 - labels_one_hot) * log_one_minus_kernel
+    )
     return -ops.mean(per_class, axis=-1)
 
 
@@ -263,4 +263,3 @@ def validate_penalty(penalty: str) -> None:
             "`gradient_penalty=0` to turn the penalty off). "
             f"Received: `penalty={penalty!r}`"
         )
-

@@ -138,7 +138,9 @@ class SpectralNormalization(keras.layers.Wrapper):
         )
         if training:
             self.vector_u.assign(vector_u)
-        kernel = soft_bound(self._operator, kernel, vector_u, vector_v, self.coefficient)
+        kernel = soft_bound(
+            self._operator, kernel, vector_u, vector_v, self.coefficient
+        )
         # The wrapped layer runs with the normalised kernel in place of its
         # variable, for this call only; the variable itself never changes.
         mapping = [
@@ -240,7 +242,9 @@ class _LinearOperator:
             self.causal_padding = effective[0] - 1
             spatial = (spatial[0] + self.causal_padding,)
         self.output_shape = (1,) + tuple(layer.compute_output_shape(input_shape)[1:])
-        output_spatial = self.output_shape[1:-1] if self.channels_last else self.output_shape[2:]
+        output_spatial = (
+            self.output_shape[1:-1] if self.channels_last else self.output_shape[2:]
+        )
         self.output_padding = tuple(
             size - ((out - 1) * s + (k if self.padding == "valid" else k % 2))
             for size, out, s, k in zip(spatial, output_spatial, self.strides, effective)
@@ -279,8 +283,10 @@ class _LinearOperator:
         )
         if self.causal_padding:
             # The transpose of zero-padding drops the padded positions.
-            return result[:, self.causal_padding:] if self.channels_last else (
-                result[:, :, self.causal_padding:]
+            return (
+                result[:, self.causal_padding :]
+                if self.channels_last
+                else (result[:, :, self.causal_padding :])
             )
         return result
 
@@ -370,7 +376,9 @@ def spectral_normalize(
     from keras_duq._duq_model import DUQModel
 
     functional = isinstance(model, keras.Model) and isinstance(model, keras.Function)
-    if isinstance(model, DUQModel) or not (isinstance(model, keras.Sequential) or functional):
+    if isinstance(model, DUQModel) or not (
+        isinstance(model, keras.Sequential) or functional
+    ):
         raise ValueError(
             "`spectral_normalize` copies a Sequential or functional model "
             "(the backbone, before `keras_duq.wrap`); a subclassed model "
@@ -396,8 +404,10 @@ def spectral_normalize(
 
 
 def _check_arguments(coefficient: Any, power_iterations: Any) -> None:
-    if isinstance(coefficient, bool) or not isinstance(coefficient, (int, float)) or not (
-        coefficient > 0
+    if (
+        isinstance(coefficient, bool)
+        or not isinstance(coefficient, (int, float))
+        or not (coefficient > 0)
     ):
         raise ValueError(
             "Expected `coefficient` (the largest spectral norm allowed) to be "

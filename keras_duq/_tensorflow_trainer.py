@@ -63,8 +63,12 @@ class TensorFlowTrainer(_trainer.Trainer):
         def gradients_and_losses(x, labels_one_hot, sample_weight, with_penalty=True):
             with tf.GradientTape() as tape:
                 total, (log_kernel, penalty, bce, _) = _trainer.objective(
-                    self._forward(training=True), _input_gradients, x,
-                    labels_one_hot, sample_weight, weights,
+                    self._forward(training=True),
+                    _input_gradients,
+                    x,
+                    labels_one_hot,
+                    sample_weight,
+                    weights,
                     self._objective_settings(training=True, with_penalty=with_penalty),
                     self._input_gradient_scale(),
                 )
@@ -90,7 +94,9 @@ class TensorFlowTrainer(_trainer.Trainer):
                 self, gradients_and_losses
             )(x, labels_one_hot, sample_weight)
         finite = _trainer.all_finite(
-            gradients + [objective] + [tf.identity(variable) for variable in layer_state]
+            gradients
+            + [objective]
+            + [tf.identity(variable) for variable in layer_state]
         )
         restored = _restore_unless(finite, layer_state, saved)
         if self._uses_loss_scale():
@@ -126,8 +132,15 @@ class TensorFlowTrainer(_trainer.Trainer):
         _run_if(
             applied,
             lambda: self._update_duq_metrics(
-                x, y, sample_weight, log_kernel, penalty, objective, bce,
-                labels_one_hot, penalised,
+                x,
+                y,
+                sample_weight,
+                log_kernel,
+                penalty,
+                objective,
+                bce,
+                labels_one_hot,
+                penalised,
             ),
         )
         return self._logs()
@@ -138,8 +151,12 @@ class TensorFlowTrainer(_trainer.Trainer):
 
         def losses(x, labels_one_hot, sample_weight):
             total, (log_kernel, penalty, bce, _) = _trainer.objective(
-                self._forward(training=False), _input_gradients, x, labels_one_hot,
-                sample_weight, self.trainable_weights,
+                self._forward(training=False),
+                _input_gradients,
+                x,
+                labels_one_hot,
+                sample_weight,
+                self.trainable_weights,
                 self._objective_settings(training=False),
             )
             return log_kernel, penalty, total, bce
@@ -177,7 +194,8 @@ class TensorFlowTrainer(_trainer.Trainer):
         x, labels_one_hot, sample_weight, code = self._check_batch(x, y, sample_weight)
         checks = [
             tf.debugging.Assert(
-                tf.not_equal(code, error), [_trainer.error_message(error, self.num_classes)]
+                tf.not_equal(code, error),
+                [_trainer.error_message(error, self.num_classes)],
             )
             for error in _trainer.BATCH_ERRORS
         ]
@@ -199,7 +217,10 @@ class TensorFlowTrainer(_trainer.Trainer):
         if self.gradient_penalty == 0 or not with_penalty:
             return self._log_kernel(x, training), None
         log_kernel, penalty, _ = _trainer.log_kernel_and_penalty(
-            self._forward(training), _input_gradients, x, self.penalty,
+            self._forward(training),
+            _input_gradients,
+            x,
+            self.penalty,
             self._input_gradient_scale(),
         )
         return log_kernel, penalty
@@ -267,7 +288,8 @@ def quiet_array_inputs(method, arguments):
                 val_x,
                 val_y,
                 val_weights,
-                batch_size=arguments["validation_batch_size"] or arguments["batch_size"],
+                batch_size=arguments["validation_batch_size"]
+                or arguments["batch_size"],
                 steps=arguments["validation_steps"],
             )
             arguments["validation_batch_size"] = None

@@ -118,8 +118,16 @@ def labels_to_one_hot(y, num_classes):
 # -------------------------------------------------------------- objective
 
 
-def objective(forward, input_gradients, x, labels_one_hot, sample_weight, weights,
-              settings, scale=None):
+def objective(
+    forward,
+    input_gradients,
+    x,
+    labels_one_hot,
+    sample_weight,
+    weights,
+    settings,
+    scale=None,
+):
     """The DUQ objective of one batch, statelessly: `(objective, aux)`.
 
     Args:
@@ -156,7 +164,11 @@ def objective(forward, input_gradients, x, labels_one_hot, sample_weight, weight
             forward, input_gradients, x, settings.penalty, scale
         )
     loss, bce = _ops.duq_loss(
-        log_kernel, labels_one_hot, penalty, settings.penalty_weight, sample_weight,
+        log_kernel,
+        labels_one_hot,
+        penalty,
+        settings.penalty_weight,
+        sample_weight,
         settings.bce_epsilon,
     )
     total = loss + _ops.coupled_weight_decay_loss(weights, settings.weight_decay)
@@ -182,7 +194,9 @@ def log_kernel_and_penalty(forward, input_gradients, x, penalty, scale=None):
         kernel_sum, [flat[i] for i in positions]
     )
     if scale is not None:
-        gradients = [None if g is None else ops.cast(g, "float32") / scale for g in gradients]
+        gradients = [
+            None if g is None else ops.cast(g, "float32") / scale for g in gradients
+        ]
     norms = _ops.gradient_norms(gradients)
     return log_kernel, _ops.gradient_penalty(norms, penalty), state
 
@@ -202,7 +216,9 @@ def centroid_update(layer, features, labels_one_hot, all_reduce=None):
     )
     if all_reduce is not None:
         counts, sums = all_reduce(counts, sums)
-    new_counts = _ops.moving_average(layer.centroid_counts.value, counts, layer.momentum)
+    new_counts = _ops.moving_average(
+        layer.centroid_counts.value, counts, layer.momentum
+    )
     new_sums = _ops.moving_average(layer.centroid_sums.value, sums, layer.momentum)
     return new_counts, new_sums, all_finite([new_counts, new_sums])
 
@@ -219,9 +235,7 @@ def all_finite(tensors):
     """Whether every floating-point tensor in `tensors` is finite (a bool tensor)."""
     # Integer state (e.g. a layer's random seed) is always finite.
     checks = [
-        ops.all(ops.isfinite(t))
-        for t in tensors
-        if t is not None and is_float(t.dtype)
+        ops.all(ops.isfinite(t)) for t in tensors if t is not None and is_float(t.dtype)
     ]
     if not checks:
         return ops.convert_to_tensor(True)
@@ -283,7 +297,10 @@ class Trainer:
         the kernels of Keras's `SpectralNormalization`, which writes the
         normalised kernel back into the wrapped layer's trainable kernel.
         """
-        centroid_state = (self.duq_output.centroid_counts, self.duq_output.centroid_sums)
+        centroid_state = (
+            self.duq_output.centroid_counts,
+            self.duq_output.centroid_sums,
+        )
         state = [
             variable
             for variable in self.non_trainable_variables
@@ -305,7 +322,9 @@ class Trainer:
             self.jit_compile = jit_compile
 
     def _uses_loss_scale(self):
-        return isinstance(getattr(self, "optimizer", None), keras.optimizers.LossScaleOptimizer)
+        return isinstance(
+            getattr(self, "optimizer", None), keras.optimizers.LossScaleOptimizer
+        )
 
     @staticmethod
     def prepare_arguments(method, arguments):

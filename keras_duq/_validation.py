@@ -74,10 +74,7 @@ def label_range_message(num_classes: int) -> str:
 
 
 def _label_formats(num_classes: int) -> str:
-    return (
-        "(batch,) or (batch, 1) class indices, or one-hot "
-        f"(batch, {num_classes})"
-    )
+    return f"(batch,) or (batch, 1) class indices, or one-hot (batch, {num_classes})"
 
 
 def label_shape_message(num_classes: int, shape: Any) -> str:

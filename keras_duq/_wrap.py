@@ -160,8 +160,6 @@ def _model_inputs(
             f"dimension) to `wrap`. Received: backbone {backbone!r}"
         )
     return keras.tree.map_structure(
-        lambda t: keras.Input(
-            shape=tuple(t.shape[1:]), dtype=t.dtype, name=t.name
-        ),
+        lambda t: keras.Input(shape=tuple(t.shape[1:]), dtype=t.dtype, name=t.name),
         declared,
     )

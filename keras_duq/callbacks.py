@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-
 import sys
 from typing import Any
 

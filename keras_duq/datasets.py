@@ -292,7 +292,9 @@ def make_dataset(
     try:
         import tensorflow as tf  # tf.data serves every backend's `fit`
     except ImportError:
-        return _ArrayBatches(x, y, batch_size, shuffle=shuffle, seed=seed, repeat=repeat)
+        return _ArrayBatches(
+            x, y, batch_size, shuffle=shuffle, seed=seed, repeat=repeat
+        )
 
     dataset = tf.data.Dataset.from_tensor_slices(x if y is None else (x, y))
     if cache:

@@ -27,7 +27,8 @@ figure.savefig("duq.png")
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 from numpy.typing import ArrayLike

@@ -290,8 +290,16 @@ def search(
     if seed is None:
         seed = random.SystemRandom().randrange(2**31)
     trainer = _Trainer(
-        build_backbone, num_classes, wrap_kwargs, optimizer or keras.optimizers.Adam,
-        (x, y), (x_val, y_val), epochs, batch_size, seed, verbose,
+        build_backbone,
+        num_classes,
+        wrap_kwargs,
+        optimizer or keras.optimizers.Adam,
+        (x, y),
+        (x_val, y_val),
+        epochs,
+        batch_size,
+        seed,
+        verbose,
         total=len(length_scales) + sum(1 for gp in gradient_penalties if gp > 0),
     )
     with _quiet_retracing():
@@ -299,7 +307,8 @@ def search(
         stage_1 = [trainer.run(1, length_scale, 0.0) for length_scale in length_scales]
         chosen = _choose_length_scale(stage_1)
         candidates = [
-            chosen if gradient_penalty == 0
+            chosen
+            if gradient_penalty == 0
             else trainer.run(2, chosen["length_scale"], gradient_penalty)
             for gradient_penalty in gradient_penalties
         ]
@@ -349,8 +358,11 @@ class _Trainer:
             for key, value in self.wrap_kwargs.items()
         }
         model = wrap(
-            backbone, self.num_classes, length_scale=length_scale,
-            gradient_penalty=gradient_penalty, **wrap_kwargs,
+            backbone,
+            self.num_classes,
+            length_scale=length_scale,
+            gradient_penalty=gradient_penalty,
+            **wrap_kwargs,
         )
         optimizer = self.make_optimizer()
         if not isinstance(optimizer, keras.optimizers.Optimizer):
@@ -386,7 +398,9 @@ class _Trainer:
         }
         try:
             model.fit(
-                *self.train, epochs=self.epochs, batch_size=self.batch_size,
+                *self.train,
+                epochs=self.epochs,
+                batch_size=self.batch_size,
                 verbose=2 if self.verbose == 2 else 0,
             )
         except Exception as error:  # the backends raise different types
@@ -434,11 +448,17 @@ def _quiet_retracing() -> Iterator[None]:
 def _metrics(kernel_values, labels):
     nan = float("nan")
     if kernel_values is None or not np.all(np.isfinite(kernel_values)):
-        return {"val_accuracy": nan, "val_misclassification_auroc": nan, "val_errors": -1}
+        return {
+            "val_accuracy": nan,
+            "val_misclassification_auroc": nan,
+            "val_errors": -1,
+        }
     correct = kernel_values.argmax(axis=1) == labels
     # Undefined (nan) when every prediction is right or every one wrong.
-    auroc = nan if correct.all() or not correct.any() else misclassification_auroc(
-        kernel_values.max(axis=1), correct
+    auroc = (
+        nan
+        if correct.all() or not correct.any()
+        else misclassification_auroc(kernel_values.max(axis=1), correct)
     )
     return {
         "val_accuracy": float(correct.mean()),
@@ -541,12 +561,15 @@ def _grids(length_scales, gradient_penalties, max_trials):
     explicit_ls = length_scales is not None
     explicit_gp = gradient_penalties is not None
     length_scales = _grid(
-        "length_scales", DEFAULT_LENGTH_SCALES if length_scales is None else length_scales,
+        "length_scales",
+        DEFAULT_LENGTH_SCALES if length_scales is None else length_scales,
         positive=True,
     )
     gradient_penalties = _grid(
         "gradient_penalties",
-        DEFAULT_GRADIENT_PENALTIES if gradient_penalties is None else gradient_penalties,
+        DEFAULT_GRADIENT_PENALTIES
+        if gradient_penalties is None
+        else gradient_penalties,
         positive=False,
     )
     if max_trials is None:
@@ -573,7 +596,9 @@ def _grids(length_scales, gradient_penalties, max_trials):
         name, other = "gradient_penalties", gradient_penalties
     else:
         stage_1 = (max_trials + 1) // 2
-        return _thin(length_scales, stage_1), _thin(gradient_penalties, max_trials - stage_1)
+        return _thin(length_scales, stage_1), _thin(
+            gradient_penalties, max_trials - stage_1
+        )
     if budget < 1:
         raise ValueError(
             f"`{name}` alone needs all {max_trials} trials, leaving none for "
@@ -626,7 +651,8 @@ def _check_wrap_kwargs(wrap_kwargs):
             f"Received: {', '.join(f'`{k}={wrap_kwargs[k]!r}`' for k in searched)}"
         )
     accepted = [
-        name for name in inspect.signature(wrap).parameters
+        name
+        for name in inspect.signature(wrap).parameters
         if name not in ("backbone", "num_classes") + _SEARCHED
     ]
     unknown = [key for key in wrap_kwargs if key not in accepted]
@@ -642,8 +668,10 @@ def _check_inputs(name, x):
     """Returns the number of examples in `x`, checking its arrays agree."""
     leaves = keras.tree.flatten(x)
     lengths = {len(leaf) for leaf in leaves if hasattr(leaf, "__len__")}
-    if not leaves or len(lengths) != 1 or len(leaves) != sum(
-        hasattr(leaf, "__len__") for leaf in leaves
+    if (
+        not leaves
+        or len(lengths) != 1
+        or len(leaves) != sum(hasattr(leaf, "__len__") for leaf in leaves)
     ):
         raise ValueError(
             f"Expected `{name}` to be an array (or a list or dict of arrays "
@@ -668,7 +696,9 @@ def _check_inputs(name, x):
 def _check_labels(name, y, num_examples, num_classes):
     y = np.asarray(y)
     one_hot = y.ndim == 2 and y.shape[1] == num_classes
-    if len(y) != num_examples or not (y.ndim == 1 or (y.ndim == 2 and (y.shape[1] == 1 or one_hot))):
+    if len(y) != num_examples or not (
+        y.ndim == 1 or (y.ndim == 2 and (y.shape[1] == 1 or one_hot))
+    ):
         raise ValueError(
             f"Expected `{name}` to hold one label per example ({num_examples}): "
             f"class indices of shape ({num_examples},) or ({num_examples}, 1), "
@@ -680,7 +710,9 @@ def _check_labels(name, y, num_examples, num_classes):
             f"Expected numeric labels in `{name}`. Received: dtype {y.dtype}"
         )
     indices = y.argmax(axis=1) if one_hot else y.reshape(-1)
-    if not np.all((indices == np.round(indices)) & (indices >= 0) & (indices < num_classes)):
+    if not np.all(
+        (indices == np.round(indices)) & (indices >= 0) & (indices < num_classes)
+    ):
         raise ValueError(
             f"Expected `{name}` to hold class indices in [0, {num_classes}) "
             f"(`num_classes={num_classes}`). Received: labels "

@@ -66,15 +66,13 @@ import keras_duq
 
 # The resumable training loop, its epoch log, the figures and PyTorch's
 # default initializer are the FashionMNIST harness's.
-from reproduction.fashion_mnist import (
-    MIXED_PRECISION_POLICIES,
-    jit_compile_argument,
-    nan_to_none,
-    pytorch_default_initializer,
-    save_figures,
-    set_dtype_policy,
-    train_model,
-)
+from reproduction.fashion_mnist import MIXED_PRECISION_POLICIES
+from reproduction.fashion_mnist import jit_compile_argument
+from reproduction.fashion_mnist import nan_to_none
+from reproduction.fashion_mnist import pytorch_default_initializer
+from reproduction.fashion_mnist import save_figures
+from reproduction.fashion_mnist import set_dtype_policy
+from reproduction.fashion_mnist import train_model
 
 NUM_CLASSES = 10
 IMAGE_SHAPE = (32, 32, 3)
@@ -110,7 +108,10 @@ RECIPES = {
             initial_centroid_stddev=0.05,
         ),
         "softmax": dict(
-            epochs=75, lr_milestones=(25, 50), lr_decay=0.2, weight_decay=1e-4,
+            epochs=75,
+            lr_milestones=(25, 50),
+            lr_decay=0.2,
+            weight_decay=1e-4,
         ),
     },
     # The authors' code: train_duq_cifar.py with utils/resnet_duq.py (DUQ),
@@ -131,7 +132,10 @@ RECIPES = {
             initial_centroid_stddev=0.05,
         ),
         "softmax": dict(
-            epochs=75, lr_milestones=(25, 50), lr_decay=0.1, weight_decay=5e-4,
+            epochs=75,
+            lr_milestones=(25, 50),
+            lr_decay=0.1,
+            weight_decay=5e-4,
         ),
     },
 }
@@ -149,62 +153,83 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--model", choices=("duq", "softmax", "ensemble"), default="duq"
     )
     parser.add_argument(
-        "--recipe", choices=tuple(RECIPES), default="paper",
+        "--recipe",
+        choices=tuple(RECIPES),
+        default="paper",
         help="'paper': the paper's text; 'paper_code': the authors' code "
         "(see the module docstring and docs/cifar10.md).",
     )
     parser.add_argument(
-        "--epochs", type=int, default=None,
+        "--epochs",
+        type=int,
+        default=None,
         help="Default: the recipe's (paper 75; paper_code 100 for DUQ, 75 "
         "for softmax and ensemble).",
     )
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--learning-rate", type=float, default=LEARNING_RATE)
     parser.add_argument(
-        "--weight-decay", type=float, default=None,
+        "--weight-decay",
+        type=float,
+        default=None,
         help="Coupled L2 weight decay (PyTorch SGD's). Default: the recipe's "
         "(paper 1e-4, paper_code 5e-4).",
     )
     parser.add_argument(
-        "--gradient-penalty", type=float, default=None,
+        "--gradient-penalty",
+        type=float,
+        default=None,
         help="DUQ's lambda. Default: the recipe's (paper 0.5, paper_code 0.75).",
     )
     parser.add_argument("--length-scale", type=float, default=0.1)
     parser.add_argument(
-        "--centroid-momentum", type=float, default=0.999,
+        "--centroid-momentum",
+        type=float,
+        default=0.999,
         help="DUQ's gamma, momentum of the centroid moving average.",
     )
     parser.add_argument("--centroid-dims", type=int, default=FEATURES)
     parser.add_argument(
-        "--kernel-initializer", default=None,
+        "--kernel-initializer",
+        default=None,
         help="Initializer of DUQ's projection W: 'reference' (Kaiming normal "
         "over a fan-in of classes x features, as the paper's code) or a Keras "
         "initializer name. Default: the recipe's (paper 'he_normal', "
         "paper_code 'reference').",
     )
     parser.add_argument(
-        "--feature-layer", action=argparse.BooleanOptionalAction, default=None,
+        "--feature-layer",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="Keep ResNet-18's last linear layer as a 512 x 512 layer in DUQ's "
         "backbone. Default: the recipe's (paper no, paper_code yes).",
     )
     parser.add_argument(
-        "--initial-centroid-stddev", type=float, default=None,
+        "--initial-centroid-stddev",
+        type=float,
+        default=None,
         help="Draw the initial centroids from normal(0, stddev). Default: the "
         "recipe's, 0.05 (the paper, Appendix A, and its code); 1 gives "
         "keras_duq's default distribution.",
     )
     parser.add_argument(
-        "--bias-correction", action=argparse.BooleanOptionalAction, default=False,
+        "--bias-correction",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="Bias-correct the centroid moving average (keras_duq.DUQOutput).",
     )
     parser.add_argument(
-        "--bce-epsilon", type=float, default=0.0,
+        "--bce-epsilon",
+        type=float,
+        default=0.0,
         help="Floor of K(1-K) in the cross-entropy gradient: 0 is exact, "
         "1e-12 is PyTorch's binary_cross_entropy as in the paper's code.",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--validation-split", type=int, default=10000,
+        "--validation-split",
+        type=int,
+        default=10000,
         help="Hold out this many random training images (the paper: 10,000 of "
         "50,000) and report accuracy and misclassification AUROC on them, by "
         "which the paper chooses lambda. 0: train on all images.",
@@ -212,56 +237,72 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--ensemble-size", type=int, default=5)
     parser.add_argument("--output-dir", default="outputs/cifar10")
     parser.add_argument(
-        "--data-dir", default=None,
+        "--data-dir",
+        default=None,
         help="tensorflow-datasets data_dir holding the prepared cifar10 and "
         "svhn_cropped (default: tfds's, ~/tensorflow_datasets or "
         "$TFDS_DATA_DIR).",
     )
     parser.add_argument(
-        "--download", action="store_true",
+        "--download",
+        action="store_true",
         help="Let tfds download and prepare missing data (needs network).",
     )
     parser.add_argument(
-        "--normalization-stats", default=None,
+        "--normalization-stats",
+        default=None,
         metavar="MEAN_R,MEAN_G,MEAN_B,STD_R,STD_G,STD_B",
         help="Per-channel mean and std on the [0, 1] scale, e.g. from an "
         "earlier run's results.json ('normalization'). Default: computed from "
         "the training images in the pipeline.",
     )
     parser.add_argument(
-        "--mixed-precision", nargs="?", const="mixed_float16", default="none",
+        "--mixed-precision",
+        nargs="?",
+        const="mixed_float16",
+        default="none",
         choices=MIXED_PRECISION_POLICIES,
         help="Keras dtype policy for the backbone ('--mixed-precision' alone: "
         "mixed_float16). DUQ's head always computes in float32.",
     )
     parser.add_argument(
-        "--max-steps-per-epoch", type=int, default=None,
+        "--max-steps-per-epoch",
+        type=int,
+        default=None,
         help="Cap the steps per epoch (smoke runs).",
     )
     parser.add_argument(
-        "--test-subset", type=int, default=None,
+        "--test-subset",
+        type=int,
+        default=None,
         help="Evaluate on the first N images of each evaluation set: CIFAR-10 "
         "test, SVHN test and the validation split (smoke runs).",
     )
     parser.add_argument(
-        "--ood-eval-every", type=int, default=5,
+        "--ood-eval-every",
+        type=int,
+        default=5,
         help="Log OoD metrics vs. SVHN every N epochs during training "
         "(keras_duq.callbacks.OODEvaluation); 0 turns it off. Logged only, "
         "never used for model selection.",
     )
     parser.add_argument(
-        "--tensorboard", action="store_true",
+        "--tensorboard",
+        action="store_true",
         help="Write TensorBoard logs (OoD metrics included) to OUTPUT_DIR/logs.",
     )
     parser.add_argument(
-        "--backup-dir", default=None,
+        "--backup-dir",
+        default=None,
         help="Back up the training state here after every epoch "
         "(keras.callbacks.BackupAndRestore) and log each epoch to "
         "epochs.jsonl; rerunning the same command resumes from the last "
         "finished epoch.",
     )
     parser.add_argument(
-        "--jit-compile", choices=("auto", "true", "false"), default="auto",
+        "--jit-compile",
+        choices=("auto", "true", "false"),
+        default="auto",
         help="XLA compilation, passed to `Model.compile` (auto: Keras's choice, "
         "XLA on GPUs, not on CPUs).",
     )
@@ -280,7 +321,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         # Only DUQ has a penalty, a projection W and a choice of feature layer;
         # the softmax head sits on the pooled features, as in the paper's code.
         duq_only = (
-            "gradient_penalty", "kernel_initializer", "feature_layer",
+            "gradient_penalty",
+            "kernel_initializer",
+            "feature_layer",
             "initial_centroid_stddev",
         )
         for name in duq_only:
@@ -406,15 +449,23 @@ def build_resnet18(feature_layer: bool = False, l2: float = 0.0) -> keras.Model:
         else:
             padding = "same"
         return keras.layers.Conv2D(
-            filters, kernel_size, strides=strides, padding=padding, use_bias=False,
+            filters,
+            kernel_size,
+            strides=strides,
+            padding=padding,
+            use_bias=False,
             kernel_initializer=initializer or torchvision_conv_initializer(),
-            kernel_regularizer=regularizer, name=name,
+            kernel_regularizer=regularizer,
+            name=name,
         )(x)
 
     def batch_norm(x, name):
         return keras.layers.BatchNormalization(
-            momentum=0.9, epsilon=1e-5,
-            gamma_regularizer=regularizer, beta_regularizer=regularizer, name=name,
+            momentum=0.9,
+            epsilon=1e-5,
+            gamma_regularizer=regularizer,
+            beta_regularizer=regularizer,
+            name=name,
         )(x)
 
     def basic_block(x, filters, strides, name):
@@ -443,7 +494,8 @@ def build_resnet18(feature_layer: bool = False, l2: float = 0.0) -> keras.Model:
             FEATURES,
             kernel_initializer=pytorch_default_initializer(),
             bias_initializer=keras.initializers.RandomUniform(-bound, bound),
-            kernel_regularizer=regularizer, bias_regularizer=regularizer,
+            kernel_regularizer=regularizer,
+            bias_regularizer=regularizer,
             name="fc",
         )(features)
     return keras.Model(inputs, features, name="resnet18")
@@ -513,8 +565,10 @@ def build_duq_model(args, steps_per_epoch: int, seed: int) -> keras_duq.DUQModel
         # normal(0, 1) (the FashionMNIST code's choice).
         counts = keras.ops.convert_to_numpy(head.centroid_counts)  # per class
         head.centroid_sums.assign(
-            counts * keras.random.normal(
-                head.centroid_sums.shape, stddev=args.initial_centroid_stddev,
+            counts
+            * keras.random.normal(
+                head.centroid_sums.shape,
+                stddev=args.initial_centroid_stddev,
                 seed=seed,
             )
         )
@@ -538,10 +592,12 @@ def build_softmax_model(args, steps_per_epoch: int) -> keras.Model:
         [
             build_resnet18(l2=l2),
             keras.layers.Dense(
-                NUM_CLASSES, activation="softmax",
+                NUM_CLASSES,
+                activation="softmax",
                 kernel_initializer=pytorch_default_initializer(),
                 bias_initializer=keras.initializers.RandomUniform(-bound, bound),
-                kernel_regularizer=regularizer, bias_regularizer=regularizer,
+                kernel_regularizer=regularizer,
+                bias_regularizer=regularizer,
                 # The probabilities stay float32 under mixed precision.
                 dtype="float32",
                 name="classifier",
@@ -582,8 +638,12 @@ def load_split(name: str, split: str, args) -> tf.data.Dataset:
 
     try:
         return tfds.load(
-            name, split=split, as_supervised=True, data_dir=args.data_dir,
-            download=args.download, shuffle_files=False,
+            name,
+            split=split,
+            as_supervised=True,
+            data_dir=args.data_dir,
+            download=args.download,
+            shuffle_files=False,
         )
     except AssertionError as error:
         if "could not find data" not in str(error):
@@ -719,8 +779,12 @@ def _parallel_calls():
 
 
 def make_training_dataset(
-    train: tf.data.Dataset, normalization: dict, batch_size: int, seed: int,
-    num_examples: int, augmentation: bool = True,
+    train: tf.data.Dataset,
+    normalization: dict,
+    batch_size: int,
+    seed: int,
+    num_examples: int,
+    augmentation: bool = True,
 ) -> tf.data.Dataset:
     """Shuffled, augmented, normalised, batched training data, repeated.
 
@@ -791,9 +855,9 @@ def load_data(args):
     # Both test sets use CIFAR-10's training statistics, as in the paper's
     # code: an OoD input gets the preprocessing of the training data.
     evaluation = {
-        name: None if data is None else make_evaluation_dataset(
-            data, normalization, args.test_subset
-        )
+        name: None
+        if data is None
+        else make_evaluation_dataset(data, normalization, args.test_subset)
         for name, data in (
             ("validation", validation),
             ("test", load_split(IN_DISTRIBUTION, "test", args)),
@@ -916,7 +980,9 @@ def _run(args, start) -> dict:
         seed = args.seed + index
         model = build_model(args, steps_per_epoch, seed)
         callbacks = training_callbacks(
-            args, evaluation, method,
+            args,
+            evaluation,
+            method,
             log_dir if num_models == 1 else os.path.join(log_dir, f"member_{index}"),
         )
         backup_dir = None
@@ -936,8 +1002,14 @@ def _run(args, start) -> dict:
         args.model
     ]
     figures = save_figures(
-        args.output_dir, label, in_certainty, ood_certainty, curve, method,
-        in_name="CIFAR-10", ood_name="SVHN",
+        args.output_dir,
+        label,
+        in_certainty,
+        ood_certainty,
+        curve,
+        method,
+        in_name="CIFAR-10",
+        ood_name="SVHN",
     )
     import tensorflow_datasets as tfds
 

@@ -74,88 +74,118 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument(
-        "--gradient-penalty", type=float, default=0.05,
+        "--gradient-penalty",
+        type=float,
+        default=0.05,
         help="DUQ's lambda (the paper's best on FashionMNIST).",
     )
     parser.add_argument(
-        "--penalty-interval", type=int, default=1,
+        "--penalty-interval",
+        type=int,
+        default=1,
         help="Compute the penalty on every Nth step only, weighted N times "
         "(keras_duq.DUQModel's penalty_interval); 1 is the paper's exact penalty.",
     )
     parser.add_argument("--length-scale", type=float, default=0.1)
     parser.add_argument(
-        "--bias-correction", action=argparse.BooleanOptionalAction, default=False,
+        "--bias-correction",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="Bias-correct the centroid moving average (keras_duq.DUQOutput).",
     )
     parser.add_argument(
-        "--centroid-momentum", type=float, default=0.999,
+        "--centroid-momentum",
+        type=float,
+        default=0.999,
         help="DUQ's gamma, momentum of the centroid moving average.",
     )
     parser.add_argument(
-        "--kernel-initializer", default="reference",
+        "--kernel-initializer",
+        default="reference",
         help="Initializer of DUQ's projection W: 'reference' (normal, stddev "
         "0.05, as the paper's code) or a Keras initializer name such as "
         "'he_normal' (keras_duq's default).",
     )
     parser.add_argument(
-        "--bce-epsilon", type=float, default=0.0,
+        "--bce-epsilon",
+        type=float,
+        default=0.0,
         help="Floor of K(1-K) in the cross-entropy gradient: 0 is exact, "
         "1e-12 is PyTorch's binary_cross_entropy as in the paper's code "
         "(see keras_duq.DUQModel).",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--validation-split", type=int, default=0,
+        "--validation-split",
+        type=int,
+        default=0,
         help="Hold out this many random training images (the paper: 5000) "
         "and report accuracy and misclassification AUROC on them.",
     )
     parser.add_argument("--ensemble-size", type=int, default=5)
     parser.add_argument("--output-dir", default="outputs/fashion_mnist")
     parser.add_argument(
-        "--max-steps-per-epoch", type=int, default=None,
+        "--max-steps-per-epoch",
+        type=int,
+        default=None,
         help="Cap the steps per epoch (smoke runs).",
     )
     parser.add_argument(
-        "--train-subset", type=int, default=None,
+        "--train-subset",
+        type=int,
+        default=None,
         help="Train on this many random training images (smoke runs).",
     )
     parser.add_argument(
-        "--test-subset", type=int, default=None,
+        "--test-subset",
+        type=int,
+        default=None,
         help="Evaluate on the first N images of each test set (smoke runs).",
     )
     parser.add_argument(
-        "--mnist-path", default=None,
+        "--mnist-path",
+        default=None,
         help="Folder with MNIST's t10k IDX files; default: keras.datasets.mnist.",
     )
     parser.add_argument(
-        "--fashion-mnist-path", default=None,
+        "--fashion-mnist-path",
+        default=None,
         help="Folder with FashionMNIST's IDX files; default: "
         "keras.datasets.fashion_mnist.",
     )
     parser.add_argument(
-        "--ood-eval-every", type=int, default=5,
+        "--ood-eval-every",
+        type=int,
+        default=5,
         help="Log OoD metrics vs. MNIST every N epochs during training "
         "(keras_duq.callbacks.OODEvaluation); 0 turns it off. Logged only, never used "
         "for model selection.",
     )
     parser.add_argument(
-        "--tensorboard", action="store_true",
+        "--tensorboard",
+        action="store_true",
         help="Write TensorBoard logs (OoD metrics included) to OUTPUT_DIR/logs.",
     )
     parser.add_argument(
-        "--backup-dir", default=None,
+        "--backup-dir",
+        default=None,
         help="Back up the training state here after every epoch "
         "(keras.callbacks.BackupAndRestore) and log each epoch to "
         "epochs.jsonl; rerunning the same command resumes from the last "
         "finished epoch.",
     )
     parser.add_argument(
-        "--jit-compile", choices=("auto", "true", "false"), default="auto",
+        "--jit-compile",
+        choices=("auto", "true", "false"),
+        default="auto",
         help="XLA compilation, passed to `Model.compile` (auto: Keras's choice, "
         "XLA on GPUs, not on CPUs).",
     )
     parser.add_argument(
-        "--mixed-precision", nargs="?", const="mixed_float16", default="none",
+        "--mixed-precision",
+        nargs="?",
+        const="mixed_float16",
+        default="none",
         choices=MIXED_PRECISION_POLICIES,
         help="Keras dtype policy for the backbone ('--mixed-precision' alone: "
         "mixed_float16). DUQ's head always computes in float32.",
@@ -201,13 +231,18 @@ def build_backbone(l2: float = 0.0) -> keras.Sequential:
     def conv_block(filters, padding):
         return [
             keras.layers.Conv2D(
-                filters, 3, padding=padding,
+                filters,
+                3,
+                padding=padding,
                 kernel_initializer=pytorch_default_initializer(),
-                kernel_regularizer=regularizer, bias_regularizer=regularizer,
+                kernel_regularizer=regularizer,
+                bias_regularizer=regularizer,
             ),
             keras.layers.BatchNormalization(
-                momentum=0.9, epsilon=1e-5,
-                gamma_regularizer=regularizer, beta_regularizer=regularizer,
+                momentum=0.9,
+                epsilon=1e-5,
+                gamma_regularizer=regularizer,
+                beta_regularizer=regularizer,
             ),
             keras.layers.ReLU(),
             keras.layers.MaxPooling2D(2),
@@ -221,9 +256,11 @@ def build_backbone(l2: float = 0.0) -> keras.Sequential:
             *conv_block(128, "valid"),
             keras.layers.Flatten(),
             keras.layers.Dense(
-                256, activation="relu",
+                256,
+                activation="relu",
                 kernel_initializer=pytorch_default_initializer(),
-                kernel_regularizer=regularizer, bias_regularizer=regularizer,
+                kernel_regularizer=regularizer,
+                bias_regularizer=regularizer,
             ),
         ],
         name="backbone",
@@ -291,9 +328,11 @@ def build_softmax_model(args, steps_per_epoch: int) -> keras.Model:
         [
             build_backbone(l2),
             keras.layers.Dense(
-                NUM_CLASSES, activation="softmax",
+                NUM_CLASSES,
+                activation="softmax",
                 kernel_initializer=pytorch_default_initializer(),
-                kernel_regularizer=regularizer, bias_regularizer=regularizer,
+                kernel_regularizer=regularizer,
+                bias_regularizer=regularizer,
             ),
         ],
         name="softmax",
@@ -349,7 +388,10 @@ def load_data(args):
     validation = None
     if args.validation_split:
         held_out, order = order[: args.validation_split], order[args.validation_split :]
-        validation = (keras_duq.datasets.normalize(x_train[held_out]), y_train[held_out])
+        validation = (
+            keras_duq.datasets.normalize(x_train[held_out]),
+            y_train[held_out],
+        )
     if args.train_subset:
         order = order[: args.train_subset]
     if args.test_subset:
@@ -401,8 +443,9 @@ def read_epoch_log(path: str) -> list:
     return sorted({r["epoch"]: r for r in records}.values(), key=lambda r: r["epoch"])
 
 
-def train_model(model, make_dataset, args, steps_per_epoch, seed, callbacks=(),
-                backup_dir=None):
+def train_model(
+    model, make_dataset, args, steps_per_epoch, seed, callbacks=(), backup_dir=None
+):
     """Fits one model; returns its per-epoch history and training seconds.
 
     `make_dataset(seed)` builds the training pipeline, repeated, reshuffling
@@ -456,7 +499,9 @@ def training_callbacks(args, test, x_ood, method, log_dir):
         callbacks.append(
             keras_duq.callbacks.OODEvaluation(
                 in_distribution=keras_duq.datasets.make_dataset(*test, batch_size=512),
-                out_of_distribution=keras_duq.datasets.make_dataset(x_ood, batch_size=512),
+                out_of_distribution=keras_duq.datasets.make_dataset(
+                    x_ood, batch_size=512
+                ),
                 every_n_epochs=args.ood_eval_every,
                 method=method,
             )
@@ -505,8 +550,16 @@ def evaluate(models, method, test, x_ood, validation=None) -> dict:
     return results, in_certainty, ood_certainty, curve
 
 
-def save_figures(output_dir, label, in_certainty, ood_certainty, curve, method,
-                 in_name="FashionMNIST", ood_name="MNIST"):
+def save_figures(
+    output_dir,
+    label,
+    in_certainty,
+    ood_certainty,
+    curve,
+    method,
+    in_name="FashionMNIST",
+    ood_name="MNIST",
+):
     """The paper's Figures 7 and 8 (histograms, rejection curve) and the ROC."""
     import matplotlib.pyplot
 
@@ -519,8 +572,10 @@ def save_figures(output_dir, label, in_certainty, ood_certainty, curve, method,
             curve, label=label, title=title
         ),
         "certainty_histograms.png": keras_duq.plots.plot_certainty_histograms(
-            in_certainty, ood_certainty,
-            in_label=f"{in_name} (test)", ood_label=f"{ood_name} (test)",
+            in_certainty,
+            ood_certainty,
+            in_label=f"{in_name} (test)",
+            ood_label=f"{ood_name} (test)",
             xlabel="max kernel value" if method == "max" else "negative entropy",
             title=title,
         ),
@@ -553,8 +608,13 @@ def _run(args) -> dict:
 
     def make_dataset(seed):
         return keras_duq.datasets.make_dataset(
-            *train_data, batch_size=args.batch_size, shuffle=True, seed=seed, repeat=True
+            *train_data,
+            batch_size=args.batch_size,
+            shuffle=True,
+            seed=seed,
+            repeat=True,
         )
+
     if args.max_steps_per_epoch:
         steps_per_epoch = min(steps_per_epoch, args.max_steps_per_epoch)
     # DUQ's certainty is the largest kernel value; the softmax baselines use
@@ -570,7 +630,10 @@ def _run(args) -> dict:
         seed = args.seed + index
         model = build_model(args, steps_per_epoch, seed)
         callbacks = training_callbacks(
-            args, test, x_ood, method,
+            args,
+            test,
+            x_ood,
+            method,
             log_dir if num_models == 1 else os.path.join(log_dir, f"member_{index}"),
         )
         backup_dir = None

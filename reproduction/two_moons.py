@@ -101,11 +101,18 @@ class SpectralNormalizedDense(keras.layers.Layer):
 
     def build(self, input_shape):
         self.kernel = self.add_weight(
-            shape=(input_shape[-1], self.units), initializer="glorot_uniform", name="kernel"
+            shape=(input_shape[-1], self.units),
+            initializer="glorot_uniform",
+            name="kernel",
         )
-        self.bias = self.add_weight(shape=(self.units,), initializer="zeros", name="bias")
+        self.bias = self.add_weight(
+            shape=(self.units,), initializer="zeros", name="bias"
+        )
         self.vector_u = self.add_weight(
-            shape=(1, self.units), initializer="random_normal", trainable=False, name="vector_u"
+            shape=(1, self.units),
+            initializer="random_normal",
+            trainable=False,
+            name="vector_u",
         )
 
     def call(self, inputs, training=False):
@@ -121,7 +128,11 @@ class SpectralNormalizedDense(keras.layers.Layer):
         return ops.matmul(inputs, kernel) + self.bias
 
     def get_config(self):
-        return {**super().get_config(), "units": self.units, "coefficient": self.coefficient}
+        return {
+            **super().get_config(),
+            "units": self.units,
+            "coefficient": self.coefficient,
+        }
 
 
 def build_backbone(backbone="residual_sn"):
@@ -207,7 +218,9 @@ def run(
     test_kernels = model.predict(x_test, batch_size=1000, verbose=0)
     far_certainty = model.predict(x_far, batch_size=1000, verbose=0).max(axis=1)
     test_certainty = test_kernels.max(axis=1)
-    labels = np.concatenate([np.zeros(len(test_certainty)), np.ones(len(far_certainty))])
+    labels = np.concatenate(
+        [np.zeros(len(test_certainty)), np.ones(len(far_certainty))]
+    )
     # OoD (far) is the positive class; the detector's score is -certainty.
     auroc = roc_auc_score(labels, -np.concatenate([test_certainty, far_certainty]))
     results = {
@@ -248,15 +261,21 @@ def run(
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
-    parser.add_argument("--gradient-penalty", type=float, default=DEFAULT_GRADIENT_PENALTY)
     parser.add_argument(
-        "--backbone", choices=("residual_sn", "paper"), default="residual_sn",
+        "--gradient-penalty", type=float, default=DEFAULT_GRADIENT_PENALTY
+    )
+    parser.add_argument(
+        "--backbone",
+        choices=("residual_sn", "paper"),
+        default="residual_sn",
         help="residual_sn: a spectrally normalised residual MLP (default); "
         "paper: the paper's three-layer MLP (docs/two_moons.md).",
     )
     parser.add_argument("--bias-correction", action="store_true")
     parser.add_argument(
-        "--penalty-interval", type=int, default=1,
+        "--penalty-interval",
+        type=int,
+        default=1,
         help="Penalty on every Nth step only, weighted N times; 1: every step.",
     )
     parser.add_argument("--epochs", type=int, default=30)
@@ -266,8 +285,14 @@ def main(argv=None):
     all_results = []
     for seed in args.seeds:
         results = run(
-            seed, args.gradient_penalty, args.epochs, args.output_dir, args.verbose,
-            args.bias_correction, args.penalty_interval, args.backbone,
+            seed,
+            args.gradient_penalty,
+            args.epochs,
+            args.output_dir,
+            args.verbose,
+            args.bias_correction,
+            args.penalty_interval,
+            args.backbone,
         )
         all_results.append(results)
         print(

@@ -9,7 +9,9 @@ import textwrap
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
-def make_model(gradient_penalty=0.5, batch_norm=True, classes=3, momentum=0.9, **kwargs):
+def make_model(
+    gradient_penalty=0.5, batch_norm=True, classes=3, momentum=0.9, **kwargs
+):
     """A small CNN with BatchNormalization and a DUQ head, compiled with momentum SGD."""
     import keras
 
@@ -22,8 +24,12 @@ def make_model(gradient_penalty=0.5, batch_norm=True, classes=3, momentum=0.9, *
         x = keras.layers.BatchNormalization()(x)
     x = keras.layers.ReLU()(x)
     x = keras.layers.Flatten()(x)
-    outputs = keras_duq.DUQOutput(classes, centroid_dims=6, length_scale=0.5, momentum=0.9)(x)
-    model = keras_duq.DUQModel(inputs, outputs, gradient_penalty=gradient_penalty, **kwargs)
+    outputs = keras_duq.DUQOutput(
+        classes, centroid_dims=6, length_scale=0.5, momentum=0.9
+    )(x)
+    model = keras_duq.DUQModel(
+        inputs, outputs, gradient_penalty=gradient_penalty, **kwargs
+    )
     model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=momentum))
     return model
 
@@ -66,15 +72,19 @@ sys.meta_path.insert(0, Block())
 """
 
 
-def run(script, backend="jax", extra_env=None, timeout=300, block_tensorflow=False,
-        args=()):
+def run(
+    script, backend="jax", extra_env=None, timeout=300, block_tensorflow=False, args=()
+):
     """Runs `PRELUDE + script` under `backend`; returns its last line of output, as JSON."""
     env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
     env.update(extra_env or {})
     prelude = PRELUDE + (BLOCK_TENSORFLOW if block_tensorflow else "")
     result = subprocess.run(
         [sys.executable, "-c", prelude + textwrap.dedent(script), *args],
-        capture_output=True, text=True, env=env, timeout=timeout,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
         # The repository root: scripts import `reproduction` from there.
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
     )

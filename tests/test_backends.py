@@ -7,10 +7,10 @@ here depends on which one.
 import keras
 import numpy as np
 import pytest
-
-import keras_duq
 from backend_subprocess import data as _data
 from backend_subprocess import make_model as _model
+
+import keras_duq
 
 
 def _rejection_errors():
@@ -23,7 +23,9 @@ def _rejection_errors():
 
 
 def _state(model):
-    return [keras.ops.convert_to_numpy(v) for v in model.weights + model.optimizer.variables]
+    return [
+        keras.ops.convert_to_numpy(v) for v in model.weights + model.optimizer.variables
+    ]
 
 
 def _unchanged(model, state):
@@ -42,7 +44,12 @@ def test_fit_evaluate_predict_callbacks_and_keras_file(tmp_path):
     x, y = _data(n=64)
     stopper = keras.callbacks.EarlyStopping(monitor="val_loss", patience=10)
     history = model.fit(
-        x, y, batch_size=16, epochs=2, validation_data=(x, y), verbose=0,
+        x,
+        y,
+        batch_size=16,
+        epochs=2,
+        validation_data=(x, y),
+        verbose=0,
         callbacks=[stopper],
     ).history
     assert {"loss", "bce", "gradient_penalty", "accuracy", "val_loss"} <= set(history)
@@ -92,7 +99,11 @@ def test_rejected_batch_changes_nothing(case, message):
     state = _state(model)
     with pytest.raises(_rejection_errors(), match=message):
         model.fit(
-            bad_x.astype("float32"), bad_y, batch_size=16, epochs=1, shuffle=False,
+            bad_x.astype("float32"),
+            bad_y,
+            batch_size=16,
+            epochs=1,
+            shuffle=False,
             verbose=0,
         )
     assert _unchanged(model, state)
@@ -142,7 +153,9 @@ def test_label_formats_and_sample_weights_agree():
     for labels in (y[:, None], np.eye(3, dtype="float32")[y], y.astype("float32")):
         logs = model.evaluate(x, labels, verbose=0, return_dict=True)
         assert logs["loss"] == pytest.approx(reference["loss"], rel=1e-6)
-    doubled = model.evaluate(x, y, sample_weight=np.full(32, 2.0), verbose=0, return_dict=True)
+    doubled = model.evaluate(
+        x, y, sample_weight=np.full(32, 2.0), verbose=0, return_dict=True
+    )
     assert doubled["bce"] == pytest.approx(2 * reference["bce"], rel=1e-5)
 
 
@@ -199,7 +212,10 @@ def test_overflowing_loss_scaled_step_is_skipped(policy):
     # Far-away inputs: 3e38 * loss overflows float32, and so does the
     # penalty's input gradient, scaled by the same 3e38.
     logs = model.train_on_batch(100 * x, y, return_dict=True)
-    assert all(np.array_equal(a, keras.ops.convert_to_numpy(b)) for a, b in zip(weights, model.weights))
+    assert all(
+        np.array_equal(a, keras.ops.convert_to_numpy(b))
+        for a, b in zip(weights, model.weights)
+    )
     assert float(model.optimizer.dynamic_scale) < 3e38
     assert int(model.optimizer.iterations) == 0
     assert all(np.isfinite(value) for value in logs.values()), logs

@@ -80,7 +80,9 @@ def test_a_moved_array_adapter_degrades_to_keras_own_pipeline(monkeypatch):
     assert model.predict(x, verbose=0).shape == (64, 2)
 
 
-def test_all_layers_finds_layers_inside_custom_layers_and_degrades_to_public_layers(monkeypatch):
+def test_all_layers_finds_layers_inside_custom_layers_and_degrades_to_public_layers(
+    monkeypatch,
+):
     class Block(keras.layers.Layer):
         def __init__(self):
             super().__init__()
@@ -152,8 +154,17 @@ def test_moved_names_still_work_with_a_deprecation_warning():
     with pytest.warns(DeprecationWarning, match="keras_duq.evaluation.ood_metrics"):
         assert keras_duq.ood_metrics is evaluation.ood_metrics
     assert set(keras_duq.__all__) == {
-        "DUQModel", "DUQOutput", "wrap", "__version__",
-        "DUQHealthWarning", "KernelUnderflowWarning", "BatchNormStatisticsWarning",
-        "CentroidWarning", "ConstantPenaltyWarning", "recompute_batch_norm_statistics",
-        "SpectralNormalization", "spectral_normalize", "InputScaleWarning",
+        "DUQModel",
+        "DUQOutput",
+        "wrap",
+        "__version__",
+        "DUQHealthWarning",
+        "KernelUnderflowWarning",
+        "BatchNormStatisticsWarning",
+        "CentroidWarning",
+        "ConstantPenaltyWarning",
+        "recompute_batch_norm_statistics",
+        "SpectralNormalization",
+        "spectral_normalize",
+        "InputScaleWarning",
     }

@@ -94,4 +94,7 @@ def test_keras_files_load_on_every_backend_and_keep_training(trained):
         results = run(_LOAD, backend=backend, args=[str(folder), json.dumps(sources)])
         for source, result in results.items():
             assert result["error"] <= 1e-5, (source, backend, result)
-            assert result["steps"] == 3 and np.isfinite(result["loss"]), (source, backend)
+            assert result["steps"] == 3 and np.isfinite(result["loss"]), (
+                source,
+                backend,
+            )

@@ -31,7 +31,8 @@ def test_read_idx_mnist_images(mnist_dir):
 def test_read_idx_matches_npz_copy(mnist_dir):
     with np.load(mnist_dir / "mnist-test.npz") as npz:
         np.testing.assert_array_equal(
-            keras_duq.datasets.read_idx(mnist_dir / "t10k-images-idx3-ubyte.gz"), npz["x_test"]
+            keras_duq.datasets.read_idx(mnist_dir / "t10k-images-idx3-ubyte.gz"),
+            npz["x_test"],
         )
 
 
@@ -110,15 +111,23 @@ def test_normalize_uses_fashion_mnist_statistics(fashion_mnist, mnist_dir):
     # MNIST gets FashionMNIST's statistics, not its own: a blank pixel maps
     # to the same value in both sets.
     x_mnist, _ = keras_duq.datasets.load_mnist_test(mnist_dir)
-    blank = -keras_duq.datasets.FASHION_MNIST_MEAN / keras_duq.datasets.FASHION_MNIST_STD
-    assert keras_duq.datasets.normalize(x_mnist[:10])[0, 0, 0, 0] == pytest.approx(blank)
+    blank = (
+        -keras_duq.datasets.FASHION_MNIST_MEAN / keras_duq.datasets.FASHION_MNIST_STD
+    )
+    assert keras_duq.datasets.normalize(x_mnist[:10])[0, 0, 0, 0] == pytest.approx(
+        blank
+    )
     assert normalized[0, 0, 0, 0] == pytest.approx(blank)
 
 
 def test_normalize_accepts_channel_axis_and_unit_floats():
     images = np.full((2, 28, 28, 1), 255, dtype=np.uint8)
-    expected = (1 - keras_duq.datasets.FASHION_MNIST_MEAN) / keras_duq.datasets.FASHION_MNIST_STD
-    np.testing.assert_allclose(keras_duq.datasets.normalize(images), expected, rtol=1e-6)
+    expected = (
+        1 - keras_duq.datasets.FASHION_MNIST_MEAN
+    ) / keras_duq.datasets.FASHION_MNIST_STD
+    np.testing.assert_allclose(
+        keras_duq.datasets.normalize(images), expected, rtol=1e-6
+    )
     np.testing.assert_allclose(
         keras_duq.datasets.normalize(images[..., 0] / 255.0), expected, rtol=1e-6
     )
@@ -140,11 +149,15 @@ def test_normalize_rejects_bad_input(images, kwargs, match):
 def test_make_dataset_batches_and_shuffles():
     x = np.arange(10, dtype="float32")[:, None]
     y = np.arange(10)
-    batches = list(keras_duq.datasets.make_dataset(x, y, batch_size=4).as_numpy_iterator())
+    batches = list(
+        keras_duq.datasets.make_dataset(x, y, batch_size=4).as_numpy_iterator()
+    )
     assert [len(b[1]) for b in batches] == [4, 4, 2]
     assert np.concatenate([b[1] for b in batches]).tolist() == list(range(10))
 
-    shuffled = keras_duq.datasets.make_dataset(x, y, batch_size=10, shuffle=True, seed=1)
+    shuffled = keras_duq.datasets.make_dataset(
+        x, y, batch_size=10, shuffle=True, seed=1
+    )
     epochs = [next(shuffled.as_numpy_iterator()) for _ in range(2)]
     for x_batch, y_batch in epochs:
         assert sorted(y_batch.tolist()) == list(range(10))
@@ -187,7 +200,11 @@ def test_array_batches_pair_reshuffle_and_repeat_without_tensorflow():
     y = np.arange(10)
     ordered = keras_duq.datasets._ArrayBatches(x, y, batch_size=4)
     assert ordered.num_batches == len(ordered) == 3
-    assert [ordered[i][1].tolist() for i in range(3)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert [ordered[i][1].tolist() for i in range(3)] == [
+        [0, 1, 2, 3],
+        [4, 5, 6, 7],
+        [8, 9],
+    ]
 
     def one_pass(dataset, first=0):
         batches = [dataset[first + i] for i in range(dataset.batches_per_pass)]
@@ -195,7 +212,9 @@ def test_array_batches_pair_reshuffle_and_repeat_without_tensorflow():
             np.testing.assert_array_equal(x_batch[:, 0], y_batch)  # still paired
         return np.concatenate([b[1] for b in batches])
 
-    shuffled = keras_duq.datasets._ArrayBatches(x, y, batch_size=4, shuffle=True, seed=1)
+    shuffled = keras_duq.datasets._ArrayBatches(
+        x, y, batch_size=4, shuffle=True, seed=1
+    )
     first = one_pass(shuffled)
     assert sorted(first.tolist()) == list(range(10))
     np.testing.assert_array_equal(one_pass(shuffled), first)  # one order per pass
@@ -207,7 +226,9 @@ def test_array_batches_pair_reshuffle_and_repeat_without_tensorflow():
     np.testing.assert_array_equal(one_pass(again), first)  # seeded
 
     # Endless: batch i is batch i % 3 of pass i // 3; epochs do not restart it.
-    endless = keras_duq.datasets._ArrayBatches(x, y, batch_size=4, shuffle=True, seed=1, repeat=True)
+    endless = keras_duq.datasets._ArrayBatches(
+        x, y, batch_size=4, shuffle=True, seed=1, repeat=True
+    )
     assert endless.num_batches is None
     np.testing.assert_array_equal(one_pass(endless), first)
     endless.on_epoch_end()

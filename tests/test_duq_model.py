@@ -13,7 +13,6 @@ from keras_duq import _duq_model
 from keras_duq import _ops
 from keras_duq import _validation
 
-
 # What a rejected batch raises: a `ValueError`, or TensorFlow's graph error.
 REJECTED = (ValueError, tf.errors.InvalidArgumentError)
 
@@ -32,7 +31,9 @@ def _data(n=64, features=4, classes=3, seed=0):
     return x, y
 
 
-def _model(classes=3, features=4, batch_norm=False, gradient_penalty=0.5, seed=0, **kwargs):
+def _model(
+    classes=3, features=4, batch_norm=False, gradient_penalty=0.5, seed=0, **kwargs
+):
     keras.utils.set_random_seed(seed)
     inputs = keras.Input((features,))
     x = keras.layers.Dense(8, activation="relu")(inputs)
@@ -42,7 +43,9 @@ def _model(classes=3, features=4, batch_norm=False, gradient_penalty=0.5, seed=0
     outputs = keras_duq.DUQOutput(
         num_classes=classes, centroid_dims=6, length_scale=0.5, momentum=0.9
     )(x)
-    model = keras_duq.DUQModel(inputs, outputs, gradient_penalty=gradient_penalty, **kwargs)
+    model = keras_duq.DUQModel(
+        inputs, outputs, gradient_penalty=gradient_penalty, **kwargs
+    )
     return model
 
 
@@ -83,8 +86,10 @@ def _reference_loss(model, x, y, sample_weight=None):
     per_example = bce + model.gradient_penalty * (norm.numpy() - 1) ** 2
     if sample_weight is not None:
         per_example = per_example * sample_weight
-    decay = 0.5 * model.weight_decay * sum(
-        float(np.sum(w.numpy() ** 2)) for w in model.trainable_weights
+    decay = (
+        0.5
+        * model.weight_decay
+        * sum(float(np.sum(w.numpy() ** 2)) for w in model.trainable_weights)
     )
     return float(np.mean(per_example)) + decay
 
@@ -106,18 +111,32 @@ def test_sample_weight_weights_the_per_example_loss():
     model = _compiled()
     x, y = _data()
     weights = np.linspace(0.0, 2.0, len(y)).astype("float32")
-    logs = model.evaluate(x, y, sample_weight=weights, batch_size=64, return_dict=True, verbose=0)
-    assert logs["loss"] == pytest.approx(_reference_loss(model, x, y, weights), rel=1e-4)
+    logs = model.evaluate(
+        x, y, sample_weight=weights, batch_size=64, return_dict=True, verbose=0
+    )
+    assert logs["loss"] == pytest.approx(
+        _reference_loss(model, x, y, weights), rel=1e-4
+    )
 
 
 def test_class_weight_equals_the_matching_sample_weight():
     x, y = _data()
     class_weight = {0: 0.5, 1: 2.0, 2: 1.0}
     by_class = _compiled()
-    by_class.fit(x, y, batch_size=64, epochs=1, class_weight=class_weight, shuffle=False, verbose=0)
+    by_class.fit(
+        x,
+        y,
+        batch_size=64,
+        epochs=1,
+        class_weight=class_weight,
+        shuffle=False,
+        verbose=0,
+    )
     by_sample = _compiled()
     weights = np.array([class_weight[int(label)] for label in y], dtype="float32")
-    by_sample.fit(x, y, batch_size=64, epochs=1, sample_weight=weights, shuffle=False, verbose=0)
+    by_sample.fit(
+        x, y, batch_size=64, epochs=1, sample_weight=weights, shuffle=False, verbose=0
+    )
     for a, b in zip(by_class.weights, by_sample.weights):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-7)
 
@@ -133,14 +152,18 @@ def test_centroids_update_once_after_the_step_in_inference_mode():
     model.train_on_batch(x, y)
     features = keras.ops.convert_to_numpy(model.feature_extractor(x, training=False))
     embedded = np.einsum(
-        "bf,fdc->bdc", features, keras.ops.convert_to_numpy(head.kernel).reshape(8, 6, 3)
+        "bf,fdc->bdc",
+        features,
+        keras.ops.convert_to_numpy(head.kernel).reshape(8, 6, 3),
     )
     one_hot = np.eye(3)[y]
     np.testing.assert_allclose(
         head.centroid_counts.numpy(), 0.9 * counts + 0.1 * one_hot.sum(0), rtol=1e-6
     )
     expected_sums = 0.9 * sums + 0.1 * np.einsum("bdc,bc->dc", embedded, one_hot)
-    np.testing.assert_allclose(head.centroid_sums.numpy(), expected_sums, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(
+        head.centroid_sums.numpy(), expected_sums, rtol=1e-4, atol=1e-5
+    )
 
 
 def test_coupled_weight_decay_adds_weight_decay_times_weight():
@@ -150,7 +173,9 @@ def test_coupled_weight_decay_adds_weight_decay_times_weight():
     initial = [w.numpy().copy() for w in with_decay.trainable_weights]
     with_decay.train_on_batch(x, y)
     without.train_on_batch(x, y)
-    for w0, a, b in zip(initial, with_decay.trainable_weights, without.trainable_weights):
+    for w0, a, b in zip(
+        initial, with_decay.trainable_weights, without.trainable_weights
+    ):
         # Plain SGD, lr 1: the only difference is -lr * weight_decay * w0.
         np.testing.assert_allclose(a.numpy() - b.numpy(), -0.01 * w0, atol=1e-6)
 
@@ -168,7 +193,9 @@ def test_bce_epsilon_stops_the_pull_of_far_centroids():
         assert model.predict_on_batch(x).max() < 1e-12
         before = model.feature_extractor.trainable_weights[0].numpy().copy()
         model.train_on_batch(x, y)
-        return np.abs(model.feature_extractor.trainable_weights[0].numpy() - before).max()
+        return np.abs(
+            model.feature_extractor.trainable_weights[0].numpy() - before
+        ).max()
 
     exact, floored = weight_change(0.0), weight_change(1e-12)
     assert exact > 1e-3
@@ -191,7 +218,9 @@ def test_penalty_gradient_reaches_backbone_and_matches_finite_differences():
     gradient = tape.gradient(penalty, variable).numpy()
     assert np.abs(gradient).max() > 1e-4
     original = variable.numpy().copy()
-    rows, cols = np.unravel_index(np.argsort(-np.abs(gradient), axis=None)[:3], gradient.shape)
+    rows, cols = np.unravel_index(
+        np.argsort(-np.abs(gradient), axis=None)[:3], gradient.shape
+    )
     for i, j in zip(rows, cols):
         estimates = []
         for sign in (1.0, -1.0):
@@ -210,7 +239,8 @@ def test_no_nan_when_kernels_underflow_at_initialisation():
     inputs = keras.Input((4,))
     features = keras.layers.Dense(8, activation="relu")(inputs)
     outputs = keras_duq.DUQOutput(
-        num_classes=3, length_scale=1e-3,
+        num_classes=3,
+        length_scale=1e-3,
         kernel_initializer=keras.initializers.RandomNormal(stddev=10.0),
     )(features)
     model = keras_duq.DUQModel(inputs, outputs, gradient_penalty=1.0)
@@ -251,7 +281,9 @@ def test_predictions_do_not_depend_on_the_batch():
     model.fit(x, y, epochs=2, batch_size=16, verbose=0)
     full = model.predict(x, batch_size=64, verbose=0)
     for i in (0, 17, 63):
-        np.testing.assert_allclose(model.predict(x[i : i + 1], verbose=0)[0], full[i], rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(
+            model.predict(x[i : i + 1], verbose=0)[0], full[i], rtol=1e-5, atol=1e-7
+        )
 
 
 def test_model_learns_a_separable_problem():
@@ -306,19 +338,38 @@ def test_fit_logs_and_compiled_metrics_receive_kernel_values():
     model = _model()
     model.compile(
         optimizer=keras.optimizers.SGD(0.05),
-        metrics=[keras.metrics.SparseCategoricalAccuracy(name="sparse_acc"), KernelRange()],
+        metrics=[
+            keras.metrics.SparseCategoricalAccuracy(name="sparse_acc"),
+            KernelRange(),
+        ],
     )
     x, y = _data()
-    history = model.fit(x, y, validation_data=(x, y), epochs=2, batch_size=16, verbose=0).history
-    for key in ("loss", "bce", "gradient_penalty", "accuracy", "sparse_acc", "kernel_range"):
+    history = model.fit(
+        x, y, validation_data=(x, y), epochs=2, batch_size=16, verbose=0
+    ).history
+    for key in (
+        "loss",
+        "bce",
+        "gradient_penalty",
+        "accuracy",
+        "sparse_acc",
+        "kernel_range",
+    ):
         assert key in history and "val_" + key in history, key
     assert seen["shape"][-1] == 3
     assert 0.0 <= history["kernel_range"][-1] <= 1.0
     np.testing.assert_allclose(history["sparse_acc"], history["accuracy"], atol=1e-6)
     logs = model.evaluate(x, y, return_dict=True, verbose=0)
     assert set(logs) == {
-        "loss", "bce", "gradient_penalty", "accuracy", "sparse_acc", "kernel_range",
-        "certainty", "underflow", "zero_input_gradient",
+        "loss",
+        "bce",
+        "gradient_penalty",
+        "accuracy",
+        "sparse_acc",
+        "kernel_range",
+        "certainty",
+        "underflow",
+        "zero_input_gradient",
     }
 
 
@@ -329,15 +380,23 @@ def test_tf_data_and_callbacks(tmp_path):
     val = tf.data.Dataset.from_tensor_slices((x, y)).batch(32)
     callbacks = [
         keras.callbacks.EarlyStopping(monitor="val_loss", patience=1),
-        keras.callbacks.ModelCheckpoint(str(tmp_path / "best.keras"), save_best_only=True),
+        keras.callbacks.ModelCheckpoint(
+            str(tmp_path / "best.keras"), save_best_only=True
+        ),
         keras.callbacks.TensorBoard(str(tmp_path / "logs")),
         keras.callbacks.BackupAndRestore(str(tmp_path / "backup")),
     ]
-    history = model.fit(train, validation_data=val, epochs=3, callbacks=callbacks, verbose=0)
+    history = model.fit(
+        train, validation_data=val, epochs=3, callbacks=callbacks, verbose=0
+    )
     assert len(history.history["loss"]) >= 2
     restored = keras.models.load_model(tmp_path / "best.keras")
     assert isinstance(restored, keras_duq.DUQModel)
-    assert any(name.startswith("events") for _, _, files in os.walk(tmp_path / "logs") for name in files)
+    assert any(
+        name.startswith("events")
+        for _, _, files in os.walk(tmp_path / "logs")
+        for name in files
+    )
 
 
 def _fit_arguments(model, *args, **kwargs):
@@ -384,11 +443,17 @@ def test_array_fit_keeps_keras_semantics():
     logs = model.evaluate(x[60:], y[60:], batch_size=16, return_dict=True, verbose=0)
     assert history.history["val_loss"][-1] == pytest.approx(logs["loss"], rel=1e-5)
     seen = []
-    counter = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: seen.append(batch))
-    model.fit(x, y, batch_size=8, steps_per_epoch=3, epochs=2, verbose=0, callbacks=[counter])
+    counter = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: seen.append(batch)
+    )
+    model.fit(
+        x, y, batch_size=8, steps_per_epoch=3, epochs=2, verbose=0, callbacks=[counter]
+    )
     assert seen == [0, 1, 2, 0, 1, 2]
     dataset = tf.data.Dataset.from_tensor_slices(x).batch(32)
-    np.testing.assert_allclose(model.predict(x, verbose=0), model.predict(dataset, verbose=0), rtol=1e-6)
+    np.testing.assert_allclose(
+        model.predict(x, verbose=0), model.predict(dataset, verbose=0), rtol=1e-6
+    )
 
 
 def test_dict_inputs_and_uint8_images():
@@ -399,7 +464,9 @@ def test_dict_inputs_and_uint8_images():
     x = keras.layers.Concatenate()([x, extra])
     x = keras.layers.Dense(8, activation="relu")(x)
     outputs = keras_duq.DUQOutput(num_classes=2)(x)
-    model = keras_duq.DUQModel({"image": image, "extra": extra}, outputs, gradient_penalty=0.5)
+    model = keras_duq.DUQModel(
+        {"image": image, "extra": extra}, outputs, gradient_penalty=0.5
+    )
     model.compile(optimizer=keras.optimizers.SGD(0.01))
     rng = np.random.default_rng(0)
     data = {
@@ -411,7 +478,8 @@ def test_dict_inputs_and_uint8_images():
     assert np.isfinite(history["gradient_penalty"]).all()
     # The penalty norm covers both inputs together.
     prepared = _validation.standardize_inputs(
-        model.feature_extractor.input, {k: keras.ops.convert_to_tensor(v[:4]) for k, v in data.items()}
+        model.feature_extractor.input,
+        {k: keras.ops.convert_to_tensor(v[:4]) for k, v in data.items()},
     )
     assert keras.backend.standardize_dtype(prepared["image"].dtype) == "float32"
 
@@ -465,7 +533,9 @@ def test_keras_save_and_load_round_trip(tmp_path):
     model.save(path)
     restored = keras.models.load_model(path)
     assert type(restored) is keras_duq.DUQModel
-    np.testing.assert_array_equal(restored.predict(x, verbose=0), model.predict(x, verbose=0))
+    np.testing.assert_array_equal(
+        restored.predict(x, verbose=0), model.predict(x, verbose=0)
+    )
     for a, b in zip(model.weights, restored.weights):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
     # Compared as JSON, the form they are saved in (tuples become lists).
@@ -518,7 +588,9 @@ def _tiny_input_gradient_model():
     keras.utils.set_random_seed(0)
     inputs = keras.Input((4,))
     x = keras.layers.Dense(
-        16, activation="relu", bias_initializer="ones",
+        16,
+        activation="relu",
+        bias_initializer="ones",
         kernel_initializer=keras.initializers.RandomNormal(stddev=1.0),
     )(inputs)
     outputs = keras_duq.DUQOutput(
@@ -679,6 +751,7 @@ np.savez(out, replicas=strategy.num_replicas_in_sync,
          **{f"w{i}": w.numpy() for i, w in enumerate(model.weights)})
 """
 
+
 def _free_ports(count):
     import socket
 
@@ -715,15 +788,28 @@ def test_multi_worker_mirrored_strategy_matches_one_process(tmp_path):
     x = rng.normal(size=(16, 4)).astype("float32")
     y = np.array([0] * 2 + [1] * 6 + [2] * 8)  # the workers see different classes
     initial = tmp_path / "initial.npz"
-    np.savez(initial, x=x, y=y, **{f"w{i}": w.numpy() for i, w in enumerate(reference.weights)})
+    np.savez(
+        initial,
+        x=x,
+        y=y,
+        **{f"w{i}": w.numpy() for i, w in enumerate(reference.weights)},
+    )
     reference.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
 
     ports = ",".join(_free_ports(2))
     workers = [
         subprocess.Popen(
-            [sys.executable, str(tmp_path / "worker.py"), str(i), ports,
-             str(initial), str(tmp_path / f"worker{i}.npz")],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [
+                sys.executable,
+                str(tmp_path / "worker.py"),
+                str(i),
+                ports,
+                str(initial),
+                str(tmp_path / f"worker{i}.npz"),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for i in range(2)
     ]
@@ -777,9 +863,13 @@ def test_backup_and_restore_resumes_exactly(tmp_path):
     assert epochs_run == [2, 3]  # it resumed after the last completed epoch
 
     for a, b in zip(reference.weights, resumed.weights):
-        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7, err_msg=a.path)
+        np.testing.assert_allclose(
+            a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7, err_msg=a.path
+        )
     for a, b in zip(reference.optimizer.variables, resumed.optimizer.variables):
-        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7, err_msg=a.path)
+        np.testing.assert_allclose(
+            a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7, err_msg=a.path
+        )
 
 
 # ----------------------------------------------------------------- errors
@@ -811,7 +901,9 @@ def test_loaded_model_is_compiled_as_saved(tmp_path):
     for a, b in zip(model.optimizer.variables, loaded.optimizer.variables):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
     logs = loaded.evaluate(x, y, return_dict=True, verbose=0)
-    assert logs["top_2"] == pytest.approx(model.evaluate(x, y, return_dict=True, verbose=0)["top_2"])
+    assert logs["top_2"] == pytest.approx(
+        model.evaluate(x, y, return_dict=True, verbose=0)["top_2"]
+    )
 
 
 @pytest.mark.parametrize("route", ["y", "list", "validation_data", "evaluate"])
@@ -820,7 +912,9 @@ def test_non_numeric_labels_get_a_clear_error(route):
     x, y = _data()
     names = np.array(["a", "b", "c"])[y]
     state = _state(model)
-    with pytest.raises(ValueError, match=r"Expected numeric labels.*Received: labels of dtype <U1"):
+    with pytest.raises(
+        ValueError, match=r"Expected numeric labels.*Received: labels of dtype <U1"
+    ):
         if route == "y":
             model.fit(x, names, epochs=1, verbose=0)
         elif route == "list":
@@ -837,8 +931,12 @@ def test_non_numeric_labels_get_a_clear_error(route):
     [
         (lambda y: y + 3, REJECTED),
         (lambda y: y - 1, REJECTED),
-        pytest.param(lambda y: np.eye(5, dtype="float32")[y], ValueError, marks=_JAX_TRACE_ERROR),
-        pytest.param(lambda y: np.zeros((len(y), 2, 2)), ValueError, marks=_JAX_TRACE_ERROR),
+        pytest.param(
+            lambda y: np.eye(5, dtype="float32")[y], ValueError, marks=_JAX_TRACE_ERROR
+        ),
+        pytest.param(
+            lambda y: np.zeros((len(y), 2, 2)), ValueError, marks=_JAX_TRACE_ERROR
+        ),
     ],
     ids=["too_large", "negative", "wrong_one_hot_width", "wrong_rank"],
 )
@@ -875,7 +973,9 @@ def test_xla_step_matches_graph_step():
         models.append(model)
     assert models[1].jit_compile and not models[0].jit_compile
     for graph, xla in zip(*(m.weights for m in models)):
-        np.testing.assert_allclose(xla.numpy(), graph.numpy(), atol=1e-5, err_msg=graph.path)
+        np.testing.assert_allclose(
+            xla.numpy(), graph.numpy(), atol=1e-5, err_msg=graph.path
+        )
     logs = [m.evaluate(x, y, verbose=0, return_dict=True) for m in models]
     for name in logs[0]:
         np.testing.assert_allclose(logs[1][name], logs[0][name], rtol=1e-5)
@@ -909,7 +1009,9 @@ def test_unnormalised_inputs_stop_training_with_finite_state(gradient_penalty):
     # Raw-pixel-scale inputs make the exact log-space loss overflow within a
     # few steps; training must stop with advice, never leave NaN behind.
     keras.utils.set_random_seed(0)
-    backbone = keras.Sequential([keras.Input((4,)), keras.layers.Dense(16, activation="relu")])
+    backbone = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(16, activation="relu")]
+    )
     model = keras_duq.wrap(
         backbone, num_classes=2, length_scale=0.1, gradient_penalty=gradient_penalty
     )
@@ -993,7 +1095,9 @@ class _SpectralBlock(keras.layers.Layer):
 
 def _spectral_dense():
     initializer = keras.initializers.RandomNormal(stddev=3.0)
-    return keras.layers.SpectralNormalization(keras.layers.Dense(8, kernel_initializer=initializer))
+    return keras.layers.SpectralNormalization(
+        keras.layers.Dense(8, kernel_initializer=initializer)
+    )
 
 
 @pytest.mark.parametrize("placement", ["in_model", "in_custom_layer"])

@@ -87,10 +87,14 @@ def test_update_centroids_is_one_moving_average_step():
     embedded = np.einsum("bf,fdc->bdc", features, layer.kernel.numpy().reshape(5, 4, 3))
     layer.update_centroids(features, np.eye(3, dtype="float32")[labels])
     expected_counts = 0.9 * old_counts + 0.1 * np.array([1, 2, 3])
-    np.testing.assert_allclose(layer.centroid_counts.numpy(), expected_counts, rtol=1e-6)
+    np.testing.assert_allclose(
+        layer.centroid_counts.numpy(), expected_counts, rtol=1e-6
+    )
     for c in range(3):
         expected = 0.9 * old_sums[:, c] + 0.1 * embedded[labels == c, :, c].sum(0)
-        np.testing.assert_allclose(layer.centroid_sums.numpy()[:, c], expected, rtol=1e-5)
+        np.testing.assert_allclose(
+            layer.centroid_sums.numpy()[:, c], expected, rtol=1e-5
+        )
 
 
 def test_output_is_float32_under_mixed_precision():

@@ -54,7 +54,10 @@ def _serve_with_tf_only(tmp_path, exports):
     env.pop("KERAS_BACKEND", None)
     result = subprocess.run(
         [sys.executable, str(script), *arguments],
-        capture_output=True, text=True, env=env, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
@@ -76,7 +79,9 @@ def _model(inputs=None):
         inputs = keras.Input((4,))
     x = inputs
     if not isinstance(inputs, keras.KerasTensor):
-        x = keras.layers.Concatenate()(list(inputs.values() if isinstance(inputs, dict) else inputs))
+        x = keras.layers.Concatenate()(
+            list(inputs.values() if isinstance(inputs, dict) else inputs)
+        )
     x = keras.layers.Dense(8, activation="relu")(x)
     x = keras.layers.BatchNormalization()(x)
     outputs = keras_duq.DUQOutput(num_classes=3, centroid_dims=6, length_scale=0.5)(x)
@@ -86,7 +91,10 @@ def _model(inputs=None):
 def _trained_model():
     model = _model()
     x, y = _data()
-    if BACKEND in ("tensorflow", "jax"):  # training elsewhere is not this file's concern
+    if BACKEND in (
+        "tensorflow",
+        "jax",
+    ):  # training elsewhere is not this file's concern
         model.compile(optimizer=keras.optimizers.SGD(0.05))
         model.fit(x, y, epochs=1, verbose=0)
     return model, x, y
@@ -95,9 +103,20 @@ def _trained_model():
 def _run_pytest_under(backend, test_names):
     env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "2"}
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-         "-k", " or ".join(test_names)],
-        capture_output=True, text=True, env=env,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            __file__,
+            "-k",
+            " or ".join(test_names),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
         cwd=os.path.dirname(os.path.dirname(__file__)),
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
@@ -138,30 +157,45 @@ def test_export_matches_predict_loaded_with_tensorflow_alone(tmp_path):
     served = outputs[path]
     assert report[path]["inputs"] == ["inputs"]
     assert report[path]["dtypes"] == {
-        "kernel_values": "float32", "predictions": "int64",
-        "certainty": "float32", "accept": "bool", "probability_correct": "float32",
+        "kernel_values": "float32",
+        "predictions": "int64",
+        "certainty": "float32",
+        "accept": "bool",
+        "probability_correct": "float32",
     }
     # jax2tf computes in XLA, not in JAX's own kernels: not bit-identical.
     tolerance = 0.0 if BACKEND == "tensorflow" else 1e-4
-    np.testing.assert_allclose(served["kernel_values"], expected, rtol=tolerance, atol=1e-7)
-    np.testing.assert_allclose(served["certainty"], expected.max(axis=1), rtol=tolerance, atol=1e-7)
+    np.testing.assert_allclose(
+        served["kernel_values"], expected, rtol=tolerance, atol=1e-7
+    )
+    np.testing.assert_allclose(
+        served["certainty"], expected.max(axis=1), rtol=tolerance, atol=1e-7
+    )
     np.testing.assert_array_equal(served["predictions"], expected.argmax(axis=1))
     np.testing.assert_array_equal(
         served["accept"], served["certainty"] >= np.float32(threshold)
     )
     assert 0 < served["accept"].sum() < len(x)
     np.testing.assert_allclose(
-        served["probability_correct"], calibrator(served["certainty"]), rtol=1e-6, atol=1e-7
+        served["probability_correct"],
+        calibrator(served["certainty"]),
+        rtol=1e-6,
+        atol=1e-7,
     )
     for kind, names in input_names.items():
         kind_path = str(tmp_path / kind)
         assert report[kind_path]["inputs"] == names
         np.testing.assert_allclose(
-            outputs[kind_path]["kernel_values"], expected2[kind], rtol=tolerance, atol=1e-7
+            outputs[kind_path]["kernel_values"],
+            expected2[kind],
+            rtol=tolerance,
+            atol=1e-7,
         )
 
 
-@pytest.mark.skipif(BACKEND != "tensorflow", reason="saved_model_cli reads the TF export")
+@pytest.mark.skipif(
+    BACKEND != "tensorflow", reason="saved_model_cli reads the TF export"
+)
 def test_export_signature_shapes_and_quiet_export(tmp_path, capfd):
     for _ in range(2):  # Keras numbers its input names per model built
         model = _model()
@@ -173,10 +207,18 @@ def test_export_signature_shapes_and_quiet_export(tmp_path, capfd):
 
     cli_path = os.path.join(os.path.dirname(sys.executable), "saved_model_cli")
     cli = subprocess.run(
-        [cli_path if os.path.exists(cli_path) else "saved_model_cli", "show", "--dir", path, "--all"],
-        capture_output=True, text=True, check=True,
+        [
+            cli_path if os.path.exists(cli_path) else "saved_model_cli",
+            "show",
+            "--dir",
+            path,
+            "--all",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
-    serving = cli[cli.index("signature_def['serving_default']"):]
+    serving = cli[cli.index("signature_def['serving_default']") :]
     for name in ("kernel_values", "predictions", "certainty", "accept"):
         assert f"outputs['{name}']" in serving
     assert "inputs['inputs']" in serving
@@ -185,16 +227,29 @@ def test_export_signature_shapes_and_quiet_export(tmp_path, capfd):
     import tensorflow as tf
 
     own = str(tmp_path / "own_signature")
-    model.export(own, input_signature=[keras.InputSpec(shape=(None, 4), dtype="float32", name="features")])
+    model.export(
+        own,
+        input_signature=[
+            keras.InputSpec(shape=(None, 4), dtype="float32", name="features")
+        ],
+    )
     serve = tf.saved_model.load(own).signatures["serving_default"]
     assert list(serve.structured_input_signature[1]) == ["features"]
 
 
-@pytest.mark.skipif(BACKEND != "tensorflow", reason="runs the JAX export in a subprocess")
+@pytest.mark.skipif(
+    BACKEND != "tensorflow", reason="runs the JAX export in a subprocess"
+)
 def test_export_from_jax():
     pytest.importorskip("jax")
     printed = _run_pytest_under(
-        "jax", ["tensorflow_alone", "unknown_option", "threshold_is_checked", "unfitted_calibrator"]
+        "jax",
+        [
+            "tensorflow_alone",
+            "unknown_option",
+            "threshold_is_checked",
+            "unfitted_calibrator",
+        ],
     )
     assert "passed" in printed and "skipped" not in printed, printed
 
@@ -206,15 +261,21 @@ def test_export_from_jax():
 def test_export_on_torch_says_how(tmp_path):
     model = _model()
     path = tmp_path / "savedmodel"
-    with pytest.raises(ValueError, match=r"model\.save\('duq\.keras'\).*KERAS_BACKEND=tensorflow"):
+    with pytest.raises(
+        ValueError, match=r"model\.save\('duq\.keras'\).*KERAS_BACKEND=tensorflow"
+    ):
         model.export(str(path))
     assert not path.exists()
 
 
-@pytest.mark.skipif(BACKEND != "tensorflow", reason="runs the PyTorch check in a subprocess")
+@pytest.mark.skipif(
+    BACKEND != "tensorflow", reason="runs the PyTorch check in a subprocess"
+)
 def test_export_from_torch():
     pytest.importorskip("torch")
-    printed = _run_pytest_under("torch", ["says_how", "unknown_option", "threshold_is_checked"])
+    printed = _run_pytest_under(
+        "torch", ["says_how", "unknown_option", "threshold_is_checked"]
+    )
     assert "passed" in printed and "skipped" not in printed, printed
 
 
@@ -233,7 +294,9 @@ def test_export_unknown_option_is_an_error(tmp_path):
 def test_export_threshold_is_checked_before_writing(tmp_path, threshold):
     model = _model()
     path = tmp_path / "savedmodel"
-    with pytest.raises(ValueError, match=r"float in \[0, 1\].*Received: `certainty_threshold="):
+    with pytest.raises(
+        ValueError, match=r"float in \[0, 1\].*Received: `certainty_threshold="
+    ):
         model.export(str(path), certainty_threshold=threshold)
     assert not path.exists()
 
@@ -248,15 +311,22 @@ def test_export_refuses_an_unfitted_calibrator(tmp_path):
 
 def test_serving_options_need_the_saved_model_format(tmp_path):
     model = _model()
-    with pytest.raises(ValueError, match=r"format='tf_saved_model'.*Received: `certainty_threshold=0.5`"):
+    with pytest.raises(
+        ValueError,
+        match=r"format='tf_saved_model'.*Received: `certainty_threshold=0.5`",
+    ):
         model.export(str(tmp_path / "duq.onnx"), format="onnx", certainty_threshold=0.5)
 
 
 # ------------------------------------------------------------------ ONNX
 
 
-@pytest.mark.skipif(BACKEND == "jax", reason="Keras's ONNX export from JAX needs jax2onnx")
-@pytest.mark.filterwarnings("ignore:In the future `np.object`:FutureWarning")  # Keras's tf2onnx patch
+@pytest.mark.skipif(
+    BACKEND == "jax", reason="Keras's ONNX export from JAX needs jax2onnx"
+)
+@pytest.mark.filterwarnings(
+    "ignore:In the future `np.object`:FutureWarning"
+)  # Keras's tf2onnx patch
 def test_onnx_export_serves_kernel_values(tmp_path):
     onnxruntime = pytest.importorskip("onnxruntime")
     if BACKEND == "tensorflow":
@@ -267,4 +337,6 @@ def test_onnx_export_serves_kernel_values(tmp_path):
     session = onnxruntime.InferenceSession(path)
     assert [i.name for i in session.get_inputs()] == ["inputs"]
     (kernel_values,) = session.run(None, {"inputs": x[:7]})
-    np.testing.assert_allclose(kernel_values, model.predict(x[:7], verbose=0), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(
+        kernel_values, model.predict(x[:7], verbose=0), rtol=1e-5, atol=1e-7
+    )

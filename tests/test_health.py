@@ -39,7 +39,10 @@ def _model(
     x = keras.layers.Dense(16, activation="relu")(x)
     x = keras.layers.Dense(8)(x)
     outputs = keras_duq.DUQOutput(
-        num_classes=classes, centroid_dims=6, length_scale=length_scale, momentum=momentum
+        num_classes=classes,
+        centroid_dims=6,
+        length_scale=length_scale,
+        momentum=momentum,
     )(x)
     model = keras_duq.DUQModel(inputs, outputs, **kwargs)
     model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9))
@@ -124,7 +127,9 @@ def test_health_checks_false_logs_and_warns_nothing():
     restored = keras_duq.DUQModel.from_config(model.get_config())
     assert restored.health_checks is False
     wrapped = keras_duq.wrap(
-        keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)]), 2, health_checks=False
+        keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)]),
+        2,
+        health_checks=False,
     )
     assert wrapped.health_checks is False
     with pytest.raises(ValueError, match="`health_checks=1`"):
@@ -194,7 +199,9 @@ def test_collapsed_features_warn_about_overlapping_centroids_and_a_constant_pena
     # centroid moves to 0, and the input gradient is 0.
     keras.utils.set_random_seed(0)
     inputs = keras.Input((4,))
-    features = keras.layers.Dense(8, use_bias=False)(keras.layers.Rescaling(0.0)(inputs))
+    features = keras.layers.Dense(8, use_bias=False)(
+        keras.layers.Rescaling(0.0)(inputs)
+    )
     outputs = keras_duq.DUQOutput(3, centroid_dims=6, momentum=0.9)(features)
     model = keras_duq.DUQModel(inputs, outputs, gradient_penalty=0.5)
     model.compile(optimizer="sgd")
@@ -285,7 +292,9 @@ def test_health_check_callback_given_by_the_user_replaces_the_automatic_one():
 
     history = _fit(model, x, y, batch_size=16, callbacks=[Counting(x[:8])]).history
     assert seen == [(8, 4)] and "centroid_overlap" in history
-    softmax = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="softmax")])
+    softmax = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(3, activation="softmax")]
+    )
     softmax.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
     with pytest.raises(ValueError, match="`HealthCheck` checks DUQ models"):
         softmax.fit(x, y, epochs=1, verbose=0, callbacks=[HealthCheck()])
@@ -321,12 +330,18 @@ def _relative_gap(model, x):
 
 def test_recompute_batch_norm_statistics_settles_them():
     nested = keras.Sequential(
-        [keras.Input((4,)), keras.layers.BatchNormalization(name="inner_bn")], name="nested"
+        [keras.Input((4,)), keras.layers.BatchNormalization(name="inner_bn")],
+        name="nested",
     )
     frozen = keras.layers.BatchNormalization(name="frozen_bn")
     frozen.trainable = False
     model = _model(
-        layers=[nested, frozen, keras.layers.Dense(6), keras.layers.BatchNormalization()]
+        layers=[
+            nested,
+            frozen,
+            keras.layers.Dense(6),
+            keras.layers.BatchNormalization(),
+        ]
     )
     x, y = _data(n=256, scale=10.0, shift=5.0)
     _fit(model, x[:32], y[:32], batch_size=16)
@@ -409,12 +424,17 @@ def test_jax_backend_warns_too():
     env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3")
     result = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(script)],
-        capture_output=True, text=True, env=env, timeout=300,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-4000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert out["warnings"] == [
-        "BatchNormStatisticsWarning", "CentroidWarning", "ConstantPenaltyWarning"
+        "BatchNormStatisticsWarning",
+        "CentroidWarning",
+        "ConstantPenaltyWarning",
     ]
     assert out["zero_input_gradient"] == [1.0, 1.0]
     assert len(out["names"]) == 1 and out["gap_after_recompute"] < 1e-4

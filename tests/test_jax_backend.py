@@ -5,17 +5,17 @@ process has one backend, and some of these need an environment set before
 JAX starts); they run once, in the suite's JAX run.
 """
 
-
 import jax  # noqa: F401  (part of the tests extra: fail loudly without it)
 import numpy as np
 import pytest
 from backend_subprocess import run
 
-
 pytestmark = pytest.mark.requires_backend("jax")
 
+
 def test_imports_and_trains_without_tensorflow(tmp_path):
-    out = run(f"""
+    out = run(
+        f"""
         model = make_model()
         x, y = data()
         history = model.fit(x, y, batch_size=32, epochs=2, verbose=0,
@@ -33,7 +33,9 @@ def test_imports_and_trains_without_tensorflow(tmp_path):
             kernel_range=[float(expected.min()), float(expected.max())],
             tensorflow=any(m.split(".")[0] == "tensorflow" for m in sys.modules),
         )))
-    """, block_tensorflow=True)
+    """,
+        block_tensorflow=True,
+    )
     assert not out["tensorflow"]
     history = out["history"]
     assert {"loss", "bce", "gradient_penalty", "accuracy", "val_loss"} <= set(history)
@@ -44,10 +46,13 @@ def test_imports_and_trains_without_tensorflow(tmp_path):
 
 
 @pytest.mark.slow
-def test_fashion_mnist_example_runs_without_tensorflow(tmp_path, mnist_dir, fashion_mnist_dir):
+def test_fashion_mnist_example_runs_without_tensorflow(
+    tmp_path, mnist_dir, fashion_mnist_dir
+):
     # The GPU machine has JAX but no TensorFlow: the example's data pipeline
     # (`make_dataset`) and OoD callback must work without it.
-    out = run(f"""
+    out = run(
+        f"""
         from reproduction import fashion_mnist
         pipeline = type(keras_duq.datasets.make_dataset(np.zeros((4, 2)), batch_size=2))
         results = fashion_mnist.main([
@@ -64,10 +69,14 @@ def test_fashion_mnist_example_runs_without_tensorflow(tmp_path, mnist_dir, fash
             auroc=results["auroc"],
             tensorflow=any(m.split(".")[0] == "tensorflow" for m in sys.modules),
         )))
-    """, block_tensorflow=True)
+    """,
+        block_tensorflow=True,
+    )
     assert not out["tensorflow"]
     assert out["pipeline"] == "_ArrayBatches"
-    assert len(out["history"]["loss"]) == 2 and np.all(np.isfinite(out["history"]["loss"]))
+    assert len(out["history"]["loss"]) == 2 and np.all(
+        np.isfinite(out["history"]["loss"])
+    )
     assert len(out["history"]["ood_auroc"]) == 2  # the OoD callback ran each epoch
     assert 0.0 <= out["accuracy"] <= 1.0 and 0.0 <= out["auroc"] <= 1.0
     assert (tmp_path / "results.json").is_file()
@@ -136,8 +145,11 @@ def test_bad_batches_raise_before_any_state_changes():
         print(json.dumps(results))
     """)
     expected = {
-        "too_large": "class indices in", "negative": "class indices in",
-        "fractional": "fractional", "nan_input": "NaN", "overflow": "non-finite",
+        "too_large": "class indices in",
+        "negative": "class indices in",
+        "fractional": "fractional",
+        "nan_input": "NaN",
+        "overflow": "non-finite",
     }
     for name, text in expected.items():
         assert out[name]["message"] and text in out[name]["message"], (name, out[name])
@@ -169,4 +181,6 @@ def test_data_parallel_matches_one_device():
     )
     assert one.keys() == two.keys()
     for name in one:
-        np.testing.assert_allclose(two[name], one[name], rtol=1e-4, atol=1e-5, err_msg=name)
+        np.testing.assert_allclose(
+            two[name], one[name], rtol=1e-4, atol=1e-5, err_msg=name
+        )

@@ -1,6 +1,5 @@
 """Every example notebook runs top to bottom (KERAS_DUQ_SMOKE=1: small data, few epochs)."""
 
-import os
 from pathlib import Path
 
 import pytest

@@ -82,8 +82,10 @@ def test_binary_cross_entropy_epsilon_gives_the_floored_gradient(epsilon):
         loss = tf.reduce_sum(_ops.binary_cross_entropy(log_kernel, labels, epsilon))
     kernel = np.exp(log_kernel_values.astype("float64"))
     expected = (
-        kernel * (kernel - labels.numpy())
-        / np.maximum(kernel * (1 - kernel), epsilon) / 3
+        kernel
+        * (kernel - labels.numpy())
+        / np.maximum(kernel * (1 - kernel), epsilon)
+        / 3
     )
     np.testing.assert_allclose(
         tape.gradient(loss, log_kernel).numpy(), expected, rtol=1e-5, atol=1e-30
@@ -115,9 +117,7 @@ def test_gradient_norms_flatten_all_inputs_per_example():
     rng = _rng()
     first = rng.normal(size=(3, 2, 2)).astype("float32")
     second = rng.normal(size=(3, 5)).astype("float32")
-    expected = np.sqrt(
-        (first.reshape(3, -1) ** 2).sum(1) + (second**2).sum(1)
-    )
+    expected = np.sqrt((first.reshape(3, -1) ** 2).sum(1) + (second**2).sum(1))
     got = _ops.gradient_norms([first, None, second])
     np.testing.assert_allclose(got, expected, rtol=1e-6)
 
@@ -126,9 +126,7 @@ def test_gradient_norms_flatten_all_inputs_per_example():
 def test_gradient_norms_are_safe_at_zero():
     gradient = tf.Variable(tf.zeros((4, 3)))
     with tf.GradientTape() as tape:
-        penalty = tf.reduce_mean(
-            _ops.gradient_penalty(_ops.gradient_norms([gradient]))
-        )
+        penalty = tf.reduce_mean(_ops.gradient_penalty(_ops.gradient_norms([gradient])))
     outer = tape.gradient(penalty, gradient)
     assert penalty.numpy() == pytest.approx(1.0)
     assert np.isfinite(outer.numpy()).all()
@@ -162,7 +160,8 @@ def test_centroid_statistics_and_moving_average_match_paper():
     counts, sums = (
         keras.ops.convert_to_numpy(t)
         for t in _ops.centroid_statistics(
-            keras.ops.convert_to_tensor(embeddings), keras.ops.convert_to_tensor(one_hot)
+            keras.ops.convert_to_tensor(embeddings),
+            keras.ops.convert_to_tensor(one_hot),
         )
     )
     np.testing.assert_allclose(counts, [1, 1, 3])

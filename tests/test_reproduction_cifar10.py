@@ -18,13 +18,27 @@ tfds = pytest.importorskip("tensorflow_datasets")
 
 from reproduction import cifar10  # noqa: E402
 
-
 RESULT_KEYS = (
-    "accuracy", "auroc", "aupr", "fpr_at_95_tpr", "misclassification_auroc",
-    "validation_accuracy", "validation_misclassification_auroc",
-    "model", "recipe", "seed", "epochs", "num_train", "num_validation",
-    "num_test", "num_ood", "normalization", "settings", "history",
-    "rejection_curve", "figures",
+    "accuracy",
+    "auroc",
+    "aupr",
+    "fpr_at_95_tpr",
+    "misclassification_auroc",
+    "validation_accuracy",
+    "validation_misclassification_auroc",
+    "model",
+    "recipe",
+    "seed",
+    "epochs",
+    "num_train",
+    "num_validation",
+    "num_test",
+    "num_ood",
+    "normalization",
+    "settings",
+    "history",
+    "rejection_curve",
+    "figures",
 )
 
 
@@ -81,8 +95,9 @@ def test_recipes_fill_the_unset_flags():
     assert code.initial_centroid_count == 13.0
 
     # Flags override the recipe; the code's baselines follow its ensemble script.
-    override = cifar10.parse_args(["--recipe", "paper_code", "--epochs", "3",
-                                   "--gradient-penalty", "0"])
+    override = cifar10.parse_args(
+        ["--recipe", "paper_code", "--epochs", "3", "--gradient-penalty", "0"]
+    )
     assert override.epochs == 3 and override.gradient_penalty == 0.0
     softmax = cifar10.parse_args(["--recipe", "paper_code", "--model", "softmax"])
     assert softmax.epochs == 75 and softmax.lr_decay == 0.1
@@ -94,7 +109,8 @@ def test_recipes_fill_the_unset_flags():
     assert cifar10.parse_args(["--mixed-precision"]).mixed_precision == "mixed_float16"
     stats = cifar10.parse_args(["--normalization-stats", "0.1,0.2,0.3,0.4,0.5,0.6"])
     assert stats.normalization_stats == {
-        "mean": [0.1, 0.2, 0.3], "std": [0.4, 0.5, 0.6]
+        "mean": [0.1, 0.2, 0.3],
+        "std": [0.4, 0.5, 0.6],
     }
 
 
@@ -137,7 +153,7 @@ def test_augmentation_keeps_shape_and_dtype_and_crops_the_padded_image(dtype):
     image = rng.integers(1, 256, size=(32, 32, 3)).astype(dtype)
     padded = np.pad(image, ((4, 4), (4, 4), (0, 0)))
     windows = [
-        padded[dy:dy + 32, dx:dx + 32]
+        padded[dy : dy + 32, dx : dx + 32]
         for dy, dx in itertools.product(range(9), repeat=2)
     ]
     windows += [window[:, ::-1] for window in windows]
@@ -159,10 +175,16 @@ def _images(dataset):
 
 
 def test_pipeline_augments_training_data_only(tmp_path, no_network):
-    args = cifar10.parse_args([
-        "--validation-split", "8", "--test-subset", "16",
-        "--data-dir", str(tmp_path / "tfds"),
-    ])
+    args = cifar10.parse_args(
+        [
+            "--validation-split",
+            "8",
+            "--test-subset",
+            "16",
+            "--data-dir",
+            str(tmp_path / "tfds"),
+        ]
+    )
     with tfds.testing.mock_data(num_examples=40):
         train, num_train, normalization, evaluation = cifar10.load_data(args)
         raw = np.stack([image for image, _ in train.as_numpy_iterator()])
@@ -178,7 +200,11 @@ def test_pipeline_augments_training_data_only(tmp_path, no_network):
 
         def batch(augmentation):
             dataset = cifar10.make_training_dataset(
-                train, normalization, batch_size=32, seed=0, num_examples=num_train,
+                train,
+                normalization,
+                batch_size=32,
+                seed=0,
+                num_examples=num_train,
                 augmentation=augmentation,
             )
             assert dataset.element_spec[0].shape.as_list() == [32, 32, 32, 3]
@@ -196,13 +222,18 @@ def test_pipeline_augments_training_data_only(tmp_path, no_network):
         first, second = _images(test), _images(test)
         np.testing.assert_array_equal(first, second)
         raw_test = np.stack(
-            [image for image, _ in cifar10.load_split("cifar10", "test", args)
-             .take(16).as_numpy_iterator()]
+            [
+                image
+                for image, _ in cifar10.load_split("cifar10", "test", args)
+                .take(16)
+                .as_numpy_iterator()
+            ]
         )
         np.testing.assert_allclose(
             first,
             (raw_test / 255.0 - normalization["mean"]) / normalization["std"],
-            rtol=1e-5, atol=1e-5,
+            rtol=1e-5,
+            atol=1e-5,
         )
         assert evaluation["ood"].element_spec[0].shape.as_list() == [None, 32, 32, 3]
 
@@ -240,12 +271,26 @@ def test_end_to_end_under_mock_data(tmp_path, no_network):
     # shared CPU cores, mostly tracing the ResNet-18 with double backprop.
     output = tmp_path / "out"
     with tfds.testing.mock_data(num_examples=96):
-        results = cifar10.main([
-            "--epochs", "1", "--max-steps-per-epoch", "2", "--batch-size", "16",
-            "--test-subset", "32", "--validation-split", "32",
-            "--data-dir", str(tmp_path / "tfds"), "--output-dir", str(output),
-            "--verbose", "0",
-        ])
+        results = cifar10.main(
+            [
+                "--epochs",
+                "1",
+                "--max-steps-per-epoch",
+                "2",
+                "--batch-size",
+                "16",
+                "--test-subset",
+                "32",
+                "--validation-split",
+                "32",
+                "--data-dir",
+                str(tmp_path / "tfds"),
+                "--output-dir",
+                str(output),
+                "--verbose",
+                "0",
+            ]
+        )
     saved = json.loads((output / "results.json").read_text())
     for key in RESULT_KEYS:
         assert key in saved, key
@@ -267,13 +312,36 @@ def test_ensemble_with_backup_under_mock_data(tmp_path, no_network):
     # certainty and the per-member backups.
     output, backup = tmp_path / "out", tmp_path / "backup"
     with tfds.testing.mock_data(num_examples=32):
-        results = cifar10.main([
-            "--model", "ensemble", "--ensemble-size", "2", "--recipe", "paper_code",
-            "--epochs", "1", "--max-steps-per-epoch", "1", "--batch-size", "8",
-            "--test-subset", "16", "--validation-split", "0", "--ood-eval-every", "0",
-            "--data-dir", str(tmp_path / "tfds"), "--output-dir", str(output),
-            "--backup-dir", str(backup), "--verbose", "0",
-        ])
+        results = cifar10.main(
+            [
+                "--model",
+                "ensemble",
+                "--ensemble-size",
+                "2",
+                "--recipe",
+                "paper_code",
+                "--epochs",
+                "1",
+                "--max-steps-per-epoch",
+                "1",
+                "--batch-size",
+                "8",
+                "--test-subset",
+                "16",
+                "--validation-split",
+                "0",
+                "--ood-eval-every",
+                "0",
+                "--data-dir",
+                str(tmp_path / "tfds"),
+                "--output-dir",
+                str(output),
+                "--backup-dir",
+                str(backup),
+                "--verbose",
+                "0",
+            ]
+        )
     saved = json.loads((output / "results.json").read_text())
     assert saved["model"] == "ensemble"
     assert saved["certainty_method"] == "negative_entropy"

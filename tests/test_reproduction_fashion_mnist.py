@@ -19,17 +19,28 @@ from reproduction import fashion_mnist
 def test_duq_smoke_run_learns(tmp_path, mnist_dir, fashion_mnist_dir):
     results = fashion_mnist.main(
         [
-            "--model", "duq",
-            "--epochs", "3",
-            "--batch-size", "32",
-            "--train-subset", "3000",
-            "--test-subset", "2000",
-            "--seed", "0",
-            "--ood-eval-every", "0",
-            "--mnist-path", str(mnist_dir),
-            "--fashion-mnist-path", str(fashion_mnist_dir),
-            "--output-dir", str(tmp_path),
-            "--verbose", "0",
+            "--model",
+            "duq",
+            "--epochs",
+            "3",
+            "--batch-size",
+            "32",
+            "--train-subset",
+            "3000",
+            "--test-subset",
+            "2000",
+            "--seed",
+            "0",
+            "--ood-eval-every",
+            "0",
+            "--mnist-path",
+            str(mnist_dir),
+            "--fashion-mnist-path",
+            str(fashion_mnist_dir),
+            "--output-dir",
+            str(tmp_path),
+            "--verbose",
+            "0",
         ]
     )
     # 282 steps (batch 32). With batch 64 (141 steps) the AUROC was volatile:
@@ -57,13 +68,30 @@ def test_backup_dir_resumes_from_the_last_finished_epoch(
     def run(epochs):
         return fashion_mnist.main(
             [
-                "--model", "duq", "--epochs", str(epochs), "--batch-size", "64",
-                "--train-subset", "256", "--test-subset", "256", "--seed", "0",
-                "--ood-eval-every", "0", "--verbose", "0",
-                "--mnist-path", str(mnist_dir),
-                "--fashion-mnist-path", str(fashion_mnist_dir),
-                "--output-dir", str(tmp_path / "out"),
-                "--backup-dir", str(tmp_path / "backup"),
+                "--model",
+                "duq",
+                "--epochs",
+                str(epochs),
+                "--batch-size",
+                "64",
+                "--train-subset",
+                "256",
+                "--test-subset",
+                "256",
+                "--seed",
+                "0",
+                "--ood-eval-every",
+                "0",
+                "--verbose",
+                "0",
+                "--mnist-path",
+                str(mnist_dir),
+                "--fashion-mnist-path",
+                str(fashion_mnist_dir),
+                "--output-dir",
+                str(tmp_path / "out"),
+                "--backup-dir",
+                str(tmp_path / "backup"),
             ]
         )
 
@@ -109,22 +137,33 @@ def test_duq_model_settings():
     assert model.duq_output.kernel.shape == (256, 256 * 10)
     assert model.duq_output.kernel_initializer.get_config()["stddev"] == 0.05
     assert model.bce_epsilon == 0.0
-    assert fashion_mnist.build_duq_model(
-        fashion_mnist.parse_args(["--bce-epsilon", "1e-12"]), steps_per_epoch=4
-    ).bce_epsilon == 1e-12
+    assert (
+        fashion_mnist.build_duq_model(
+            fashion_mnist.parse_args(["--bce-epsilon", "1e-12"]), steps_per_epoch=4
+        ).bce_epsilon
+        == 1e-12
+    )
 
 
 def test_mixed_precision_policy_applies_to_the_backbone_only():
-    assert fashion_mnist.parse_args(["--mixed-precision"]).mixed_precision == "mixed_float16"
+    assert (
+        fashion_mnist.parse_args(["--mixed-precision"]).mixed_precision
+        == "mixed_float16"
+    )
     args = fashion_mnist.parse_args(["--mixed-precision", "mixed_bfloat16"])
     try:
         model = fashion_mnist.build_model(args, steps_per_epoch=4, seed=0)
         convolution = next(
-            layer for layer in model._flatten_layers() if isinstance(layer, keras.layers.Conv2D)
+            layer
+            for layer in model._flatten_layers()
+            if isinstance(layer, keras.layers.Conv2D)
         )
         assert convolution.compute_dtype == "bfloat16"
         assert model.duq_output.compute_dtype == "float32"
-        assert model.predict(np.zeros((2, 28, 28, 1), "float32"), verbose=0).dtype == "float32"
+        assert (
+            model.predict(np.zeros((2, 28, 28, 1), "float32"), verbose=0).dtype
+            == "float32"
+        )
     finally:
         keras.mixed_precision.set_global_policy("float32")
 
@@ -133,7 +172,6 @@ def test_seed_fixes_the_initial_weights():
     # The backbone's initializers must draw their seeds after
     # `set_random_seed`, or `--seed` would not fix the initial weights.
     import keras
-
 
     def initial_weights(seed):
         keras.utils.set_random_seed(seed)

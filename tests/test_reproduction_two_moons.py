@@ -15,7 +15,6 @@ import pytest
 
 from reproduction import two_moons
 
-
 SEEDS = range(5)  # the first five; not chosen by their results
 
 
@@ -47,10 +46,14 @@ def test_paper_backbone_needs_the_penalty():
     far = [result["far_certainty_mean"] for result in with_penalty]
     assert np.median([r["test_accuracy"] for r in with_penalty]) >= 0.98, with_penalty
     assert np.median(far) <= 0.05, far
-    assert np.median([r["auroc_test_vs_far"] for r in with_penalty]) >= 0.99, with_penalty
+    assert np.median([r["auroc_test_vs_far"] for r in with_penalty]) >= 0.99, (
+        with_penalty
+    )
     # Without the penalty the far certainty comes out clearly higher
     # (measured mean over these seeds: 0.16 without, 0.05-0.075 with).
-    without = [two_moons.run(seed, gradient_penalty=0.0, backbone="paper") for seed in SEEDS]
+    without = [
+        two_moons.run(seed, gradient_penalty=0.0, backbone="paper") for seed in SEEDS
+    ]
     far_without = [result["far_certainty_mean"] for result in without]
     assert np.mean(far_without) > 1.5 * np.mean(far), (far, far_without)
 
@@ -82,7 +85,10 @@ def test_spectral_normalized_dense_caps_the_spectral_norm():
 
 def test_residual_sn_backbone_trains_saves_and_loads(tmp_path):
     result = two_moons.run(0, epochs=1, backbone="residual_sn")
-    assert result["backbone"] == "residual_sn" and 0.0 <= result["far_certainty_mean"] <= 1.0
+    assert (
+        result["backbone"] == "residual_sn"
+        and 0.0 <= result["far_certainty_mean"] <= 1.0
+    )
     model = two_moons.build_model(backbone="residual_sn")
     (x, y), _, _ = two_moons.make_data(seed=0)
     model.fit(x[:128], y[:128], batch_size=64, epochs=1, verbose=0)
@@ -91,4 +97,6 @@ def test_residual_sn_backbone_trains_saves_and_loads(tmp_path):
     import keras
 
     restored = keras.models.load_model(path)
-    np.testing.assert_allclose(restored.predict(x[:16], verbose=0), model.predict(x[:16], verbose=0), rtol=1e-5)
+    np.testing.assert_allclose(
+        restored.predict(x[:16], verbose=0), model.predict(x[:16], verbose=0), rtol=1e-5
+    )

@@ -4,8 +4,8 @@ CI also runs this file alone on the lowest TensorFlow and Keras versions that
 pyproject.toml declares (see `.ci/run`).
 """
 
-import numpy as np
 import keras
+import numpy as np
 import tensorflow as tf
 
 import keras_duq
@@ -24,7 +24,9 @@ def test_wrap_fit_save_load_export(tmp_path):
             keras.layers.GlobalAveragePooling2D(),
         ]
     )
-    model = keras_duq.wrap(backbone, num_classes=2, length_scale=0.5, gradient_penalty=0.5)
+    model = keras_duq.wrap(
+        backbone, num_classes=2, length_scale=0.5, gradient_penalty=0.5
+    )
     model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9))
     centroids_before = model.duq_output.centroids.numpy()
     history = model.fit(x, y, batch_size=32, epochs=2, verbose=0)
@@ -45,4 +47,6 @@ def test_wrap_fit_save_load_export(tmp_path):
         inputs=tf.constant(x[:8])
     )
     np.testing.assert_allclose(served["kernel_values"].numpy(), expected, rtol=1e-6)
-    np.testing.assert_array_equal(served["predictions"].numpy(), expected.argmax(axis=1))
+    np.testing.assert_array_equal(
+        served["predictions"].numpy(), expected.argmax(axis=1)
+    )

@@ -52,7 +52,9 @@ def test_dense_norm_is_capped_at_coefficient():
     assert _operator_norm(normalized, (6,)) >= 1.9
     # The original model and its kernel are untouched.
     assert _operator_norm(model, (6,)) == pytest.approx(10.0, rel=1e-5)
-    assert not any(isinstance(l, keras_duq.SpectralNormalization) for l in model.layers)
+    assert not any(
+        isinstance(layer, keras_duq.SpectralNormalization) for layer in model.layers
+    )
 
 
 def test_layer_within_bound_is_unchanged():
@@ -70,7 +72,8 @@ def test_layer_within_bound_is_unchanged():
 _CONVOLUTIONS = {
     "conv2d_same": (lambda: keras.layers.Conv2D(3, 3, padding="same"), (5, 5, 2)),
     "conv2d_strided_odd": (
-        lambda: keras.layers.Conv2D(3, 3, strides=2, padding="same"), (7, 7, 2)
+        lambda: keras.layers.Conv2D(3, 3, strides=2, padding="same"),
+        (7, 7, 2),
     ),
     "conv2d_channels_first": (
         lambda: keras.layers.Conv2D(
@@ -79,10 +82,12 @@ _CONVOLUTIONS = {
         (2, 6, 5),
     ),
     "conv2d_grouped_valid": (
-        lambda: keras.layers.Conv2D(4, 2, strides=2, groups=2), (6, 6, 2)
+        lambda: keras.layers.Conv2D(4, 2, strides=2, groups=2),
+        (6, 6, 2),
     ),
     "conv1d_causal_dilated": (
-        lambda: keras.layers.Conv1D(3, 3, padding="causal", dilation_rate=2), (9, 2)
+        lambda: keras.layers.Conv1D(3, 3, padding="causal", dilation_rate=2),
+        (9, 2),
     ),
     "conv3d": (lambda: keras.layers.Conv3D(2, 2, padding="same"), (3, 4, 3, 2)),
     "depthwise": (
@@ -90,7 +95,8 @@ _CONVOLUTIONS = {
         (5, 5, 3),
     ),
     "depthwise_strided": (
-        lambda: keras.layers.DepthwiseConv2D(3, strides=2), (8, 8, 3)
+        lambda: keras.layers.DepthwiseConv2D(3, strides=2),
+        (8, 8, 3),
     ),
 }
 
@@ -104,7 +110,9 @@ def test_convolution_operator_norm_is_capped(name):
     model = keras.Model(inputs, layer(inputs))
     layer.kernel.assign(layer.kernel * 5.0)
     assert _operator_norm(model, shape) > 3.0
-    normalized = keras_duq.spectral_normalize(model, coefficient=1.0, power_iterations=50)
+    normalized = keras_duq.spectral_normalize(
+        model, coefficient=1.0, power_iterations=50
+    )
     _train_calls(normalized, shape, 1)
     # The exact operator norm of the convolution, not of its reshaped
     # kernel, is capped: it ends at the coefficient, not below or above it.
@@ -132,7 +140,9 @@ def test_convolution_transpose_is_adjoint(name):
 
 
 def test_training_calls_update_vector_and_inference_does_not():
-    normalized = keras_duq.spectral_normalize(_dense_model([10.0, 5.0]), coefficient=2.0)
+    normalized = keras_duq.spectral_normalize(
+        _dense_model([10.0, 5.0]), coefficient=2.0
+    )
     wrapper = normalized.layers[-1]
     x = np.ones((2, 6), "float32")
     before = wrapper.vector_u.numpy().copy()
@@ -149,7 +159,9 @@ def test_gradient_sees_the_rescaling():
     # d(output)/d(kernel) includes the derivative of 1 / sigma(kernel): the
     # gradient of the normalised output along the kernel itself is 0, since
     # scaling the kernel does not change the normalised kernel.
-    normalized = keras_duq.spectral_normalize(_dense_model([10.0, 5.0]), coefficient=2.0)
+    normalized = keras_duq.spectral_normalize(
+        _dense_model([10.0, 5.0]), coefficient=2.0
+    )
     _train_calls(normalized, (6,), 20)
     wrapper = normalized.layers[-1]
     x = tf.constant(np.random.default_rng(0).normal(size=(4, 6)).astype("float32"))
@@ -192,7 +204,11 @@ def test_functional_cnn_with_batch_norm_is_normalized_and_trains():
     backbone = _cnn_backbone()
     x, y = _images()
     normalized = keras_duq.spectral_normalize(backbone, coefficient=1.0)
-    assert sorted(w.name for w in _wrappers(normalized)) == ["conv", "dense", "depthwise"]
+    assert sorted(w.name for w in _wrappers(normalized)) == [
+        "conv",
+        "dense",
+        "depthwise",
+    ]
     assert isinstance(normalized.get_layer("norm"), keras.layers.BatchNormalization)
     # Weights kept (BatchNormalization's statistics included).
     for original, copy in [("conv", "conv"), ("norm", "norm")]:
@@ -201,7 +217,9 @@ def test_functional_cnn_with_batch_norm_is_normalized_and_trains():
         copy_layer = getattr(copy_layer, "layer", copy_layer)
         for a, b in zip(original_weights, copy_layer.get_weights()):
             np.testing.assert_array_equal(a, b)
-    model = keras_duq.wrap(normalized, num_classes=2, length_scale=0.5, gradient_penalty=0.5)
+    model = keras_duq.wrap(
+        normalized, num_classes=2, length_scale=0.5, gradient_penalty=0.5
+    )
     model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9))
     vectors = [w.vector_u.numpy().copy() for w in _wrappers(normalized)]
     history = model.fit(x, y, batch_size=16, epochs=2, verbose=0)
@@ -215,8 +233,12 @@ def test_functional_cnn_with_batch_norm_is_normalized_and_trains():
 
 def test_rejected_batch_keeps_power_iteration_vectors():
     keras.utils.set_random_seed(0)
-    normalized = keras_duq.spectral_normalize(_dense_model([10.0, 5.0]), coefficient=2.0)
-    model = keras_duq.wrap(normalized, num_classes=2, length_scale=0.1, gradient_penalty=1.0)
+    normalized = keras_duq.spectral_normalize(
+        _dense_model([10.0, 5.0]), coefficient=2.0
+    )
+    model = keras_duq.wrap(
+        normalized, num_classes=2, length_scale=0.1, gradient_penalty=1.0
+    )
     model.compile(optimizer=keras.optimizers.SGD(0.01))
     x = np.random.default_rng(0).normal(size=(16, 6)).astype("float32")
     y = np.zeros(16, "int64")
@@ -240,7 +262,9 @@ def test_keras_file_round_trip(tmp_path):
     path = tmp_path / "model.keras"
     model.save(path)
     loaded = keras.models.load_model(path)
-    np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+    np.testing.assert_array_equal(
+        loaded.predict(x, verbose=0), model.predict(x, verbose=0)
+    )
     for original, copy in zip(_wrappers(model), _wrappers(loaded)):
         np.testing.assert_array_equal(original.vector_u.numpy(), copy.vector_u.numpy())
         assert copy.coefficient == 0.5
@@ -261,7 +285,9 @@ def test_mixed_precision(policy):
         assert _operator_norm(normalized, (6,)) == pytest.approx(2.0, rel=0.03)
         x, y = _images(16)
         backbone = keras_duq.spectral_normalize(_cnn_backbone(), coefficient=1.0)
-        duq = keras_duq.wrap(backbone, num_classes=2, length_scale=0.5, gradient_penalty=0.5)
+        duq = keras_duq.wrap(
+            backbone, num_classes=2, length_scale=0.5, gradient_penalty=0.5
+        )
         duq.compile(optimizer=keras.optimizers.SGD(0.05))
         history = duq.fit(x, y, batch_size=8, verbose=0)
         assert np.isfinite(history.history["loss"][-1])
@@ -286,16 +312,20 @@ def test_convolution_needs_fixed_input_size():
 
 def test_sequential_model():
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([
-        keras.Input((5, 5, 2)),
-        keras.layers.Conv2D(3, 3, name="conv"),
-        keras.layers.Flatten(),
-        keras.layers.Dense(2, name="dense"),
-    ])
+    model = keras.Sequential(
+        [
+            keras.Input((5, 5, 2)),
+            keras.layers.Conv2D(3, 3, name="conv"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(2, name="dense"),
+        ]
+    )
     normalized = keras_duq.spectral_normalize(model, coefficient=100.0)
     assert isinstance(normalized, keras.Sequential)
     assert [type(layer).__name__ for layer in normalized.layers] == [
-        "SpectralNormalization", "Flatten", "SpectralNormalization"
+        "SpectralNormalization",
+        "Flatten",
+        "SpectralNormalization",
     ]
     x = np.random.default_rng(0).normal(size=(3, 5, 5, 2)).astype("float32")
     np.testing.assert_array_equal(normalized(x, training=True), model(x))
@@ -369,6 +399,10 @@ def test_jax_backend():
     environment = {**os.environ, "KERAS_BACKEND": "jax", "PYTHONPATH": str(root)}
     result = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(_JAX_SCRIPT)],
-        capture_output=True, text=True, cwd=root, env=environment, timeout=300,
+        capture_output=True,
+        text=True,
+        cwd=root,
+        env=environment,
+        timeout=300,
     )
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]

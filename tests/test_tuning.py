@@ -36,7 +36,11 @@ X_VAL, Y_VAL = _blobs(256, 1)
 
 def build_backbone():
     return keras.Sequential(
-        [keras.Input((2,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(8)]
+        [
+            keras.Input((2,)),
+            keras.layers.Dense(8, activation="relu"),
+            keras.layers.Dense(8),
+        ]
     )
 
 
@@ -104,8 +108,15 @@ def test_result_holds_every_trial(result):
     assert [t["gradient_penalty"] for t in result.trials[3:]] == [0.1, 1.0]
     for trial in result.trials:
         assert set(trial) == {
-            "trial", "stage", "length_scale", "gradient_penalty", "val_accuracy",
-            "val_misclassification_auroc", "val_errors", "diverged", "seconds",
+            "trial",
+            "stage",
+            "length_scale",
+            "gradient_penalty",
+            "val_accuracy",
+            "val_misclassification_auroc",
+            "val_errors",
+            "diverged",
+            "seconds",
         }
         assert not trial["diverged"] and trial["seconds"] > 0
         assert 0.5 < trial["val_accuracy"] < 1.0
@@ -137,9 +148,7 @@ def test_stage_2_chooses_the_best_misclassification_auroc(result):
     # With `accuracy_tolerance=1.0` every weight is eligible, 0 included
     # through stage 1's model at the chosen length scale.
     candidates = [
-        t
-        for t in result.trials
-        if t["length_scale"] == result.best["length_scale"]
+        t for t in result.trials if t["length_scale"] == result.best["length_scale"]
     ]
     assert sorted(t["gradient_penalty"] for t in candidates) == [0.0, 0.1, 1.0]
     expected = max(candidates, key=lambda t: t["val_misclassification_auroc"])
@@ -152,8 +161,12 @@ def test_a_trial_is_reproduced_from_its_seed(result):
     # The initializer made after the seed: the search's copy of its own
     # instance drew from the trial's seed in the same way.
     model = keras_duq.wrap(
-        build_backbone(), num_classes=2, centroid_dims=4, momentum=0.9,
-        kernel_initializer=keras.initializers.RandomNormal(stddev=0.5), **result.best
+        build_backbone(),
+        num_classes=2,
+        centroid_dims=4,
+        momentum=0.9,
+        kernel_initializer=keras.initializers.RandomNormal(stddev=0.5),
+        **result.best,
     )
     model.compile(optimizer=keras.optimizers.Adam())
     model.fit(X, Y, epochs=2, batch_size=32, verbose=0)
@@ -176,9 +189,12 @@ def test_search_is_quiet_about_retracing(result):
 
 def _trial(gradient_penalty, accuracy, auroc, errors=40):
     return {
-        "length_scale": 0.1, "gradient_penalty": gradient_penalty,
-        "val_accuracy": accuracy, "val_misclassification_auroc": auroc,
-        "val_errors": errors, "diverged": False,
+        "length_scale": 0.1,
+        "gradient_penalty": gradient_penalty,
+        "val_accuracy": accuracy,
+        "val_misclassification_auroc": auroc,
+        "val_errors": errors,
+        "diverged": False,
     }
 
 
@@ -232,8 +248,10 @@ def test_training_that_diverges_everywhere_raises(capsys):
             optimizer=lambda: keras.optimizers.SGD(1e30),
             verbose=1,
         )
-    assert "Trial 1/2 (stage 1): length_scale=0.1, gradient_penalty=0: stopped " \
+    assert (
+        "Trial 1/2 (stage 1): length_scale=0.1, gradient_penalty=0: stopped "
         "at a non-finite step" in capsys.readouterr().out
+    )
 
 
 def test_max_trials_thins_default_grids_and_keeps_explicit_ones():
@@ -273,8 +291,14 @@ class _Counting:
         ({"length_scales": [0.1, 0.1]}, "repeats a value"),
         ({"gradient_penalties": [-1.0]}, "`gradient_penalties`.*>= 0"),
         ({"gradient_penalties": ["a"]}, "`gradient_penalties`"),
-        ({"length_scales": [0.1, 0.3], "gradient_penalties": [0.1, 1], "max_trials": 3},
-         "need 4 trials"),
+        (
+            {
+                "length_scales": [0.1, 0.3],
+                "gradient_penalties": [0.1, 1],
+                "max_trials": 3,
+            },
+            "need 4 trials",
+        ),
         ({"length_scales": [0.1, 0.3], "max_trials": 2}, "leaving none"),
         ({"max_trials": 1}, "max_trials"),
         ({"epochs": 0}, "epochs"),
@@ -307,7 +331,9 @@ def test_bad_data_raise_before_training():
     with pytest.raises(ValueError, match="`x` contains NaN"):
         tuning.search(build, x, Y, validation_data=(X_VAL, Y_VAL), num_classes=2)
     with pytest.raises(ValueError, match="function that returns a new backbone"):
-        tuning.search(build_backbone(), X, Y, validation_data=(X_VAL, Y_VAL), num_classes=2)
+        tuning.search(
+            build_backbone(), X, Y, validation_data=(X_VAL, Y_VAL), num_classes=2
+        )
     assert build.calls == 0
 
 
@@ -316,7 +342,11 @@ def test_a_backbone_returned_twice_is_refused():
     before = [np.array(weight) for weight in backbone.weights]
     with pytest.raises(ValueError, match="returned a backbone it had returned before"):
         tuning.search(
-            lambda: backbone, X, Y, validation_data=(X_VAL, Y_VAL), num_classes=2,
+            lambda: backbone,
+            X,
+            Y,
+            validation_data=(X_VAL, Y_VAL),
+            num_classes=2,
             verbose=0,
         )
     # Refused before the first trial's training: the weights are untouched.

@@ -20,7 +20,11 @@ def _train_one_step(model, x, num_classes, clipnorm=None):
 
 
 def _images(n=4, size=8, channels=1):
-    return np.random.default_rng(0).normal(size=(n, size, size, channels)).astype("float32")
+    return (
+        np.random.default_rng(0)
+        .normal(size=(n, size, size, channels))
+        .astype("float32")
+    )
 
 
 def test_sequential_backbone():
@@ -54,8 +58,17 @@ def test_functional_backbone_and_arguments_reach_the_parts():
         bce_epsilon=1e-12,
     )
     head = model.duq_output
-    assert (head.num_classes, head.centroid_dims, head.length_scale, head.momentum) == (4, 3, 0.2, 0.95)
-    assert (model.gradient_penalty, model.penalty, model.weight_decay) == (0.3, "one_sided", 1e-3)
+    assert (head.num_classes, head.centroid_dims, head.length_scale, head.momentum) == (
+        4,
+        3,
+        0.2,
+        0.95,
+    )
+    assert (model.gradient_penalty, model.penalty, model.weight_decay) == (
+        0.3,
+        "one_sided",
+        1e-3,
+    )
     assert model.bce_epsilon == 1e-12
     x = np.random.default_rng(0).normal(size=(8, 5)).astype("float32")
     _train_one_step(model, x, 4)
@@ -110,7 +123,10 @@ def test_frozen_backbone_trains_only_the_head():
 def test_sequence_backbone(kind):
     layers = [keras.Input((12, 3))]
     if kind == "conv1d":
-        layers += [keras.layers.Conv1D(4, 3, activation="relu"), keras.layers.GlobalAveragePooling1D()]
+        layers += [
+            keras.layers.Conv1D(4, 3, activation="relu"),
+            keras.layers.GlobalAveragePooling1D(),
+        ]
     else:
         layers += [keras.layers.GRU(5)]
     model = keras_duq.wrap(keras.Sequential(layers), num_classes=3)
@@ -126,7 +142,9 @@ def test_feature_maps_are_rejected_with_the_layer_to_add():
 
 def test_several_outputs_are_rejected():
     inputs = keras.Input((4,))
-    backbone = keras.Model(inputs, [keras.layers.Dense(2)(inputs), keras.layers.Dense(3)(inputs)])
+    backbone = keras.Model(
+        inputs, [keras.layers.Dense(2)(inputs), keras.layers.Dense(3)(inputs)]
+    )
     with pytest.raises(ValueError, match="single feature tensor"):
         keras_duq.wrap(backbone, num_classes=3)
 

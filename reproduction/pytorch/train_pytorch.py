@@ -48,7 +48,7 @@ def read_idx(path):
     with gzip.open(path, "rb") as f:
         data = f.read()
     dims = data[3]
-    shape = [int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(dims)]
+    shape = [int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(dims)]
     return np.frombuffer(data, np.uint8, offset=4 + 4 * dims).reshape(shape)
 
 
@@ -77,14 +77,19 @@ class DUQNet(nn.Module):
     def __init__(self, bias_init="pytorch"):
         super().__init__()
         self.conv = nn.ModuleList(
-            [nn.Conv2d(1, 64, 3, padding=1), nn.Conv2d(64, 128, 3, padding=1),
-             nn.Conv2d(128, 128, 3)]
+            [
+                nn.Conv2d(1, 64, 3, padding=1),
+                nn.Conv2d(64, 128, 3, padding=1),
+                nn.Conv2d(128, 128, 3),
+            ]
         )
         self.norm = nn.ModuleList([nn.BatchNorm2d(c) for c in (64, 128, 128)])
         self.dense = nn.Linear(512, 256)
         self.W = nn.Parameter(torch.normal(torch.zeros(256, NUM_CLASSES, 256), 0.05))
         self.register_buffer("N", torch.full((NUM_CLASSES,), 12.0))
-        self.register_buffer("m", torch.normal(torch.zeros(256, NUM_CLASSES), 1.0) * 12.0)
+        self.register_buffer(
+            "m", torch.normal(torch.zeros(256, NUM_CLASSES), 1.0) * 12.0
+        )
         if bias_init == "zeros":
             # As Keras's Conv2D and Dense start (PyTorch draws them uniformly).
             for layer in [*self.conv, self.dense]:
@@ -168,7 +173,9 @@ def evaluate(net, x_test, y_test, x_ood):
     certainty_test, predictions = kernel_test.max(1)
     return {
         "test_accuracy": (predictions == y_test).float().mean().item(),
-        "auroc": auroc(certainty_test.cpu().numpy(), kernel_ood.max(1)[0].cpu().numpy()),
+        "auroc": auroc(
+            certainty_test.cpu().numpy(), kernel_ood.max(1)[0].cpu().numpy()
+        ),
     }
 
 
@@ -180,20 +187,28 @@ def main():
     parser.add_argument("--state-dir", required=True)
     parser.add_argument("--max-steps", type=int, default=None, help="timing only")
     parser.add_argument(
-        "--train-subset", type=int, default=None,
+        "--train-subset",
+        type=int,
+        default=None,
         help="train on the first N images only (smoke tests of this script)",
     )
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument(
-        "--tf32", choices=("on", "off"), default="on",
+        "--tf32",
+        choices=("on", "off"),
+        default="on",
         help="on a GPU: cuDNN convolutions in TF32 (PyTorch's default) or float32",
     )
     parser.add_argument(
-        "--bias-init", choices=("pytorch", "zeros"), default="pytorch",
+        "--bias-init",
+        choices=("pytorch", "zeros"),
+        default="pytorch",
         help="conv and dense biases: PyTorch's uniform default or zeros (Keras's)",
     )
     parser.add_argument(
-        "--last-batch", choices=("drop", "keep"), default="drop",
+        "--last-batch",
+        choices=("drop", "keep"),
+        default="drop",
         help="the epoch's last partial batch: dropped (the paper's code) or kept "
         "(keras_duq.datasets.make_dataset)",
     )
@@ -206,7 +221,9 @@ def main():
 
     torch.manual_seed(args.seed)
     net = DUQNet(args.bias_init).to(device)
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
+    optimizer = torch.optim.SGD(
+        net.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4
+    )
     scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, [10, 20], gamma=0.2)
     generator = torch.Generator().manual_seed(args.seed)
     start_epoch = 0
@@ -224,15 +241,17 @@ def main():
         started = time.perf_counter()
         order = torch.randperm(len(x_train), generator=generator).to(device)
         # Summed on the device: reading them every step would make the GPU wait.
-        totals = {k: torch.zeros((), device=device)
-                  for k in ("bce", "gradient_penalty", "accuracy")}
+        totals = {
+            k: torch.zeros((), device=device)
+            for k in ("bce", "gradient_penalty", "accuracy")
+        }
         steps = len(order) // batch_size
         if args.last_batch == "keep":
             steps = -(-len(order) // batch_size)
         if args.max_steps:
             steps = min(steps, args.max_steps)
         for step in range(steps):
-            index = order[step * batch_size: (step + 1) * batch_size]
+            index = order[step * batch_size : (step + 1) * batch_size]
             labels = y_train[index]
             kernel, bce, penalty = train_step(net, optimizer, x_train[index], labels)
             totals["bce"] += bce
@@ -243,17 +262,27 @@ def main():
             print(f"{steps} steps: {seconds / steps:.3f} s/step")
             return
         scheduler.step()
-        record = {"epoch": epoch, **{k: v.item() / steps for k, v in totals.items()},
-                  "device": args.device, "tf32": args.tf32, "seed": args.seed,
-                  "bias_init": args.bias_init, "last_batch": args.last_batch}
+        record = {
+            "epoch": epoch,
+            **{k: v.item() / steps for k, v in totals.items()},
+            "device": args.device,
+            "tf32": args.tf32,
+            "seed": args.seed,
+            "bias_init": args.bias_init,
+            "last_batch": args.last_batch,
+        }
         if epoch % 5 == 0 or epoch == args.epochs:
             record.update(evaluate(net, x_test, y_test, x_ood))
         record["seconds"] = time.perf_counter() - started
         print(json.dumps(record), flush=True)
         torch.save(
-            {"net": net.state_dict(), "optimizer": optimizer.state_dict(),
-             "scheduler": scheduler.state_dict(), "generator": generator.get_state(),
-             "epoch": epoch},
+            {
+                "net": net.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "generator": generator.get_state(),
+                "epoch": epoch,
+            },
             state_path + ".tmp",
         )
         os.replace(state_path + ".tmp", state_path)

@@ -32,13 +32,17 @@ import time
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 import train_pytorch
-from train_pytorch import (
-    DUQNet, GAMMA, LENGTH_SCALE, NUM_CLASSES, PENALTY, auroc, exact_binary_cross_entropy,
-    load_all, state_paths,
-)
+from torch import nn
+from train_pytorch import GAMMA
+from train_pytorch import LENGTH_SCALE
+from train_pytorch import NUM_CLASSES
+from train_pytorch import PENALTY
+from train_pytorch import DUQNet
+from train_pytorch import auroc
+from train_pytorch import exact_binary_cross_entropy
+from train_pytorch import load_all
+from train_pytorch import state_paths
 
 CHANNELS = (64, 128, 128)
 
@@ -51,8 +55,12 @@ class GroupedDUQNet(nn.Module):
         self.models = models
         inputs = (1, *CHANNELS[:-1])
         self.conv = nn.ModuleList(
-            [nn.Conv2d(models * c_in, models * c_out, 3, padding=padding, groups=models)
-             for c_in, c_out, padding in zip(inputs, CHANNELS, (1, 1, 0))]
+            [
+                nn.Conv2d(
+                    models * c_in, models * c_out, 3, padding=padding, groups=models
+                )
+                for c_in, c_out, padding in zip(inputs, CHANNELS, (1, 1, 0))
+            ]
         )
         self.norm = nn.ModuleList([nn.BatchNorm2d(models * c) for c in CHANNELS])
         self.dense_kernel = nn.Parameter(torch.empty(models, 256, 512))
@@ -69,7 +77,8 @@ class GroupedDUQNet(nn.Module):
             self.conv[i].bias.copy_(torch.cat([n.conv[i].bias for n in nets]))
             for name in ("weight", "bias", "running_mean", "running_var"):
                 getattr(self.norm[i], name).copy_(
-                    torch.cat([getattr(n.norm[i], name) for n in nets]))
+                    torch.cat([getattr(n.norm[i], name) for n in nets])
+                )
         self.dense_kernel.copy_(torch.stack([n.dense.weight for n in nets]))
         self.dense_bias.copy_(torch.stack([n.dense.bias for n in nets]))
         for name in ("W", "N", "m"):
@@ -80,7 +89,9 @@ class GroupedDUQNet(nn.Module):
         for conv, norm in zip(self.conv, self.norm):
             x = F.max_pool2d(F.relu(norm(conv(x))), 2)
         x = x.reshape(len(x), self.models, -1)  # model g's (C, H, W), flattened
-        features = F.relu(torch.einsum("bgi,goi->bgo", x, self.dense_kernel) + self.dense_bias)
+        features = F.relu(
+            torch.einsum("bgi,goi->bgo", x, self.dense_kernel) + self.dense_bias
+        )
         return torch.einsum("bgf,gdcf->bgdc", features, self.W)
 
     def log_kernel(self, x):
@@ -114,8 +125,10 @@ def train_step(net, optimizer, x, labels, exact_bce):
     log_kernel = net.log_kernel(x)
     kernel = torch.exp(log_kernel)
     bce = torch.where(
-        exact_bce[None, :, None], exact_binary_cross_entropy(log_kernel, y),
-        F.binary_cross_entropy(kernel, y, reduction="none")).mean((0, 2))
+        exact_bce[None, :, None],
+        exact_binary_cross_entropy(log_kernel, y),
+        F.binary_cross_entropy(kernel, y, reduction="none"),
+    ).mean((0, 2))
     gradient = torch.autograd.grad(kernel.sum(), x, create_graph=True)[0]
     penalty = ((gradient.flatten(2).norm(2, dim=2) - 1) ** 2).mean(0)
     (bce + PENALTY * penalty).sum().backward()
@@ -137,7 +150,9 @@ def synchronize(device):
 
 def make_optimizer(parameters):
     optimizer = torch.optim.SGD(parameters, lr=0.05, momentum=0.9, weight_decay=1e-4)
-    return optimizer, torch.optim.lr_scheduler.MultiStepLR(optimizer, [10, 20], gamma=0.2)
+    return optimizer, torch.optim.lr_scheduler.MultiStepLR(
+        optimizer, [10, 20], gamma=0.2
+    )
 
 
 def self_check(device):
@@ -154,9 +169,12 @@ def self_check(device):
     nets = [n.to(device, torch.float64) for n in singles(models, 7, keras_like=1)]
     exact_bce = torch.tensor([False, False, True], device=device)
     generator = torch.Generator().manual_seed(0)
-    x_all = torch.randn(4, batch, models, 28, 28, generator=generator,
-                        dtype=torch.float64).to(device)
-    labels_all = torch.randint(0, NUM_CLASSES, (4, batch, models), generator=generator).to(device)
+    x_all = torch.randn(
+        4, batch, models, 28, 28, generator=generator, dtype=torch.float64
+    ).to(device)
+    labels_all = torch.randint(
+        0, NUM_CLASSES, (4, batch, models), generator=generator
+    ).to(device)
     with torch.no_grad():
         # Centroids at the first batch's mean embedding: at the random start the
         # kernel values are ~1e-20 and the BCE gradients ~1e-10, which would
@@ -171,18 +189,24 @@ def self_check(device):
     for x, labels in zip(x_all, labels_all):
         train_step(grouped, opt_grouped, x, labels, exact_bce)
         for g, (net, opt) in enumerate(zip(nets, opts)):
-            train_pytorch.train_step(net, opt, x[:, g, None], labels[:, g], bool(exact_bce[g]))
+            train_pytorch.train_step(
+                net, opt, x[:, g, None], labels[:, g], bool(exact_bce[g])
+            )
     reference = GroupedDUQNet(models).to(device, torch.float64)
     reference.load_singles(nets)
     worst = 0.0
-    for (name, a), b in zip(grouped.state_dict().items(), reference.state_dict().values()):
+    for (name, a), b in zip(
+        grouped.state_dict().items(), reference.state_dict().values()
+    ):
         if a.dtype.is_floating_point:
             scale = b.abs().max().item() or 1.0
             error = (a - b).abs().max().item() / scale
             worst = max(worst, error)
             moved = (b - initial[name]).abs().max().item() / scale
-            print(f"{name:22s} max |grouped - single| / max |single| = {error:.2e}"
-                  f"  (4 steps moved it by {moved:.2e})")
+            print(
+                f"{name:22s} max |grouped - single| / max |single| = {error:.2e}"
+                f"  (4 steps moved it by {moved:.2e})"
+            )
     probe = x_all[0]
     with torch.no_grad():
         grouped.eval()
@@ -199,15 +223,21 @@ def evaluate(net, x_test, y_test, x_ood):
     models = net.models
 
     def kernels(images):
-        return torch.cat([net(x.expand(-1, models, -1, -1)) for x in images.split(1000)])
+        return torch.cat(
+            [net(x.expand(-1, models, -1, -1)) for x in images.split(1000)]
+        )
 
     kernel_test, kernel_ood = kernels(x_test), kernels(x_ood)
     certainty_test, predictions = kernel_test.max(2)
     certainty_ood = kernel_ood.max(2)[0]
     accuracy = (predictions == y_test[:, None]).float().mean(0)
     return [
-        {"test_accuracy": accuracy[g].item(),
-         "auroc": auroc(certainty_test[:, g].cpu().numpy(), certainty_ood[:, g].cpu().numpy())}
+        {
+            "test_accuracy": accuracy[g].item(),
+            "auroc": auroc(
+                certainty_test[:, g].cpu().numpy(), certainty_ood[:, g].cpu().numpy()
+            ),
+        }
         for g in range(models)
     ]
 
@@ -221,7 +251,9 @@ def main():
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tf32", choices=("on", "off"), default="off")
     parser.add_argument(
-        "--keras-like", type=int, default=0,
+        "--keras-like",
+        type=int,
+        default=0,
         help="how many of the models (the last ones) train as keras_duq does: zero "
         "conv and dense biases, exact BCE gradient (the others: the paper's code)",
     )
@@ -234,7 +266,9 @@ def main():
     if args.self_check:
         raise SystemExit(0 if self_check(device) else 1)
     torch.backends.cudnn.allow_tf32 = args.tf32 == "on"
-    torch.backends.cuda.matmul.allow_tf32 = False  # as train_pytorch.py (PyTorch's default)
+    torch.backends.cuda.matmul.allow_tf32 = (
+        False  # as train_pytorch.py (PyTorch's default)
+    )
     torch.backends.cudnn.benchmark = True
     state_path, log_path = state_paths(args.state_dir)
     x_train, y_train, x_test, y_test, x_ood = load_all(device, args.train_subset)
@@ -245,7 +279,9 @@ def main():
     net.to(device)
     exact_bce = torch.arange(models, device=device) >= models - args.keras_like
     optimizer, scheduler = make_optimizer(net.parameters())
-    generators = [torch.Generator().manual_seed(args.seed * 1000 + g) for g in range(models)]
+    generators = [
+        torch.Generator().manual_seed(args.seed * 1000 + g) for g in range(models)
+    ]
     start_epoch = 0
     if os.path.exists(state_path):
         state = torch.load(state_path, map_location=device)
@@ -261,7 +297,8 @@ def main():
     for epoch in range(start_epoch + 1, args.epochs + 1):
         started = time.perf_counter()
         orders = torch.stack(
-            [torch.randperm(len(x_train), generator=g) for g in generators]).to(device)
+            [torch.randperm(len(x_train), generator=g) for g in generators]
+        ).to(device)
         totals = torch.zeros(3, models, device=device)
         steps = len(x_train) // batch_size
         if args.last_batch == "keep":
@@ -269,38 +306,64 @@ def main():
         if args.max_steps:
             steps = min(steps, args.max_steps)
         for step in range(steps):
-            index = orders[:, step * batch_size: (step + 1) * batch_size].T  # (batch, models)
+            index = orders[
+                :, step * batch_size : (step + 1) * batch_size
+            ].T  # (batch, models)
             x = x_train[index][:, :, 0]  # (batch, models, 28, 28)
             if step == 5 and args.max_steps:  # time after cuDNN's autotuning
                 synchronize(device)
                 started = time.perf_counter()
-            totals += torch.stack(train_step(net, optimizer, x, y_train[index], exact_bce))
+            totals += torch.stack(
+                train_step(net, optimizer, x, y_train[index], exact_bce)
+            )
         if args.max_steps:
             synchronize(device)
             seconds = time.perf_counter() - started
-            print(f"{models} models: {seconds / (steps - 5):.4f} s/step (steps 6-{steps})")
+            print(
+                f"{models} models: {seconds / (steps - 5):.4f} s/step (steps 6-{steps})"
+            )
             return
         scheduler.step()
         totals = (totals / steps).tolist()
-        evaluation = (evaluate(net, x_test, y_test, x_ood)
-                      if epoch % 5 == 0 or epoch == args.epochs else [{}] * models)
+        evaluation = (
+            evaluate(net, x_test, y_test, x_ood)
+            if epoch % 5 == 0 or epoch == args.epochs
+            else [{}] * models
+        )
         seconds = time.perf_counter() - started
         records = [
-            {"epoch": epoch, "model": g, "seed": args.seed * 1000 + g,
-             "bce": totals[0][g], "gradient_penalty": totals[1][g], "accuracy": totals[2][g],
-             **evaluation[g], "device": args.device, "tf32": args.tf32,
-             "variant": "keras_like" if exact_bce[g] else "paper_code",
-             "last_batch": args.last_batch,
-             "models_in_group": models, "seconds": seconds}
+            {
+                "epoch": epoch,
+                "model": g,
+                "seed": args.seed * 1000 + g,
+                "bce": totals[0][g],
+                "gradient_penalty": totals[1][g],
+                "accuracy": totals[2][g],
+                **evaluation[g],
+                "device": args.device,
+                "tf32": args.tf32,
+                "variant": "keras_like" if exact_bce[g] else "paper_code",
+                "last_batch": args.last_batch,
+                "models_in_group": models,
+                "seconds": seconds,
+            }
             for g in range(models)
         ]
         aurocs = [r["auroc"] for r in records if "auroc" in r]
-        summary = f"  AUROC mean {np.mean(aurocs):.4f} min {min(aurocs):.4f}" if aurocs else ""
+        summary = (
+            f"  AUROC mean {np.mean(aurocs):.4f} min {min(aurocs):.4f}"
+            if aurocs
+            else ""
+        )
         print(f"epoch {epoch}: {seconds:.1f} s{summary}", flush=True)
         torch.save(
-            {"net": net.state_dict(), "optimizer": optimizer.state_dict(),
-             "scheduler": scheduler.state_dict(),
-             "generators": [g.get_state() for g in generators], "epoch": epoch},
+            {
+                "net": net.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "generators": [g.get_state() for g in generators],
+                "epoch": epoch,
+            },
             state_path + ".tmp",
         )
         os.replace(state_path + ".tmp", state_path)

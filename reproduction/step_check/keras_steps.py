@@ -13,7 +13,6 @@ import keras
 import numpy as np
 
 import keras_duq
-
 from reproduction import fashion_mnist
 
 SNAPSHOT_STEPS = (1, 2, 5, 10, 20, 40)
@@ -55,7 +54,10 @@ def main():
             records.append({k: float(v) for k, v in logs.items()})
             if step + 1 in SNAPSHOT_STEPS:
                 snapshots[step + 1] = snapshot(model)
-        np.save(f"keras_eps{bce_epsilon:g}.npy", {"records": records, "snapshots": snapshots})
+        np.save(
+            f"keras_eps{bce_epsilon:g}.npy",
+            {"records": records, "snapshots": snapshots},
+        )
 
 
 if __name__ == "__main__":

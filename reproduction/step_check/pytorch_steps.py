@@ -25,8 +25,11 @@ class DUQNet(nn.Module):
     def __init__(self):
         super().__init__()
         self.conv = nn.ModuleList(
-            [nn.Conv2d(1, 64, 3, padding=1), nn.Conv2d(64, 128, 3, padding=1),
-             nn.Conv2d(128, 128, 3)]
+            [
+                nn.Conv2d(1, 64, 3, padding=1),
+                nn.Conv2d(64, 128, 3, padding=1),
+                nn.Conv2d(128, 128, 3),
+            ]
         )
         self.norm = nn.ModuleList([nn.BatchNorm2d(c) for c in (64, 128, 128)])
         self.dense = nn.Linear(512, 256)
@@ -58,7 +61,9 @@ def load_keras_weights(net, weights):
     norms = ["batch_normalization", "batch_normalization_1", "batch_normalization_2"]
     with torch.no_grad():
         for conv, norm, c, b in zip(net.conv, net.norm, convs, norms):
-            conv.weight.copy_(tensor(weights[f"backbone/{c}/kernel"].transpose(3, 2, 0, 1)))
+            conv.weight.copy_(
+                tensor(weights[f"backbone/{c}/kernel"].transpose(3, 2, 0, 1))
+            )
             conv.bias.copy_(tensor(weights[f"backbone/{c}/bias"]))
             norm.weight.copy_(tensor(weights[f"backbone/{b}/gamma"]))
             norm.bias.copy_(tensor(weights[f"backbone/{b}/beta"]))
@@ -75,8 +80,14 @@ def load_keras_weights(net, weights):
 def keras_layout(net):
     """The weights compared with keras_duq's, in Keras's layout and names."""
     return {
-        "backbone/conv2d/kernel": net.conv[0].weight.detach().numpy().transpose(2, 3, 1, 0),
-        "backbone/conv2d_2/kernel": net.conv[2].weight.detach().numpy().transpose(2, 3, 1, 0),
+        "backbone/conv2d/kernel": net.conv[0]
+        .weight.detach()
+        .numpy()
+        .transpose(2, 3, 1, 0),
+        "backbone/conv2d_2/kernel": net.conv[2]
+        .weight.detach()
+        .numpy()
+        .transpose(2, 3, 1, 0),
         "backbone/batch_normalization_2/gamma": net.norm[2].weight.detach().numpy(),
         "backbone/dense/kernel": net.dense.weight.detach().numpy().T,
         "duq_output/kernel": net.W.detach().numpy().transpose(2, 0, 1).reshape(256, -1),
@@ -92,7 +103,9 @@ def run(variant, weights, x_all, y_all, batch_size=128):
     torch.manual_seed(0)
     net = DUQNet()
     load_keras_weights(net, weights)
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
+    optimizer = torch.optim.SGD(
+        net.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4
+    )
     records, snapshots = [], {}
     for step in range(len(x_all) // batch_size):
         batch = slice(step * batch_size, (step + 1) * batch_size)
@@ -116,14 +129,21 @@ def run(variant, weights, x_all, y_all, batch_size=128):
             net.eval()
             embedded = net.embed(x)
             net.N.mul_(GAMMA).add_((1 - GAMMA) * y.sum(0))
-            net.m.mul_(GAMMA).add_((1 - GAMMA) * torch.einsum("bdc,bc->dc", embedded, y))
+            net.m.mul_(GAMMA).add_(
+                (1 - GAMMA) * torch.einsum("bdc,bc->dc", embedded, y)
+            )
         true_log_kernel = log_kernel.gather(1, labels[:, None])
-        records.append({
-            "bce": bce.item(),
-            "gradient_penalty": penalty.item(),
-            "accuracy": (log_kernel.argmax(1) == labels).float().mean().item(),
-            "true_kernel_below_1e-12": (true_log_kernel < np.log(1e-12)).float().mean().item(),
-        })
+        records.append(
+            {
+                "bce": bce.item(),
+                "gradient_penalty": penalty.item(),
+                "accuracy": (log_kernel.argmax(1) == labels).float().mean().item(),
+                "true_kernel_below_1e-12": (true_log_kernel < np.log(1e-12))
+                .float()
+                .mean()
+                .item(),
+            }
+        )
         if step + 1 in SNAPSHOT_STEPS:
             snapshots[step + 1] = {k: v.copy() for k, v in keras_layout(net).items()}
     np.save(f"pytorch_{variant}.npy", {"records": records, "snapshots": snapshots})
@@ -131,7 +151,9 @@ def run(variant, weights, x_all, y_all, batch_size=128):
 
 def main():
     torch.set_num_threads(2)
-    weights = {k.replace("|", "/"): v for k, v in np.load("initial_weights.npz").items()}
+    weights = {
+        k.replace("|", "/"): v for k, v in np.load("initial_weights.npz").items()
+    }
     batches = np.load("batches.npz")
     for variant in sys.argv[1:] or ("exact", "pytorch", "exact64"):
         run(variant, weights, batches["x"], batches["y"])

@@ -14,8 +14,9 @@ import sys
 import numpy as np
 import torch
 import torch.nn.functional as F
-
-from pytorch_steps import NUM_CLASSES, DUQNet, load_keras_weights
+from pytorch_steps import NUM_CLASSES
+from pytorch_steps import DUQNet
+from pytorch_steps import load_keras_weights
 
 CONV = lambda a: a.transpose(2, 3, 1, 0)  # noqa: E731  (PyTorch OIHW -> Keras HWIO)
 SAME = lambda a: a  # noqa: E731
@@ -36,7 +37,9 @@ def main():
     log_kernel = net.log_kernel(x)
     log_one_minus = torch.log(-torch.expm1(log_kernel.clamp(max=-1e-7)))
     bce = -(y * log_kernel + (1 - y) * log_one_minus).mean()
-    input_gradient = torch.autograd.grad(log_kernel.exp().sum(), x, create_graph=True)[0]
+    input_gradient = torch.autograd.grad(log_kernel.exp().sum(), x, create_graph=True)[
+        0
+    ]
     penalty = ((input_gradient.flatten(1).norm(2, dim=1) - 1) ** 2).mean()
     compared = {
         "backbone/conv2d/kernel": (net.conv[0].weight, CONV),
@@ -53,13 +56,19 @@ def main():
     for name, loss in (("bce", bce), ("penalty", penalty)):
         parameters = [p for p, _ in compared.values()]
         for path, (_, layout), gradient in zip(
-            compared, compared.values(), torch.autograd.grad(loss, parameters, retain_graph=True)
+            compared,
+            compared.values(),
+            torch.autograd.grad(loss, parameters, retain_graph=True),
         ):
             reference[f"{name}|{path}"] = layout(gradient.detach().numpy())
-    print(f"PyTorch {dtype}: bce {reference['bce']:.8f}, penalty {reference['penalty']:.8f}")
+    print(
+        f"PyTorch {dtype}: bce {reference['bce']:.8f}, penalty {reference['penalty']:.8f}"
+    )
     for path in sorted(glob.glob(f"trained_keras_{dtype}*.npy")):
         keras_result = np.load(path, allow_pickle=True).item()
-        print(f"\n{path}: bce {keras_result['bce']:.8f}, penalty {keras_result['penalty']:.8f}")
+        print(
+            f"\n{path}: bce {keras_result['bce']:.8f}, penalty {keras_result['penalty']:.8f}"
+        )
         print(
             f"{'gradient of':12s} {'weight':38s} {'norm: PyTorch':>14s} "
             f"{'norm: keras':>12s} {'max abs diff / max abs':>23s}"

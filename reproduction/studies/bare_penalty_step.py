@@ -66,7 +66,9 @@ def build(tf, mode):
         (variable((3, 3, 64, 128)), variable((128,), 0)),
         (variable((3, 3, 128, 128)), variable((128,), 0)),
     ]
-    norms = [(tf.Variable(tf.ones(c)), tf.Variable(tf.zeros(c))) for c in (64, 128, 128)]
+    norms = [
+        (tf.Variable(tf.ones(c)), tf.Variable(tf.zeros(c))) for c in (64, 128, 128)
+    ]
     dense = (variable((512, 256)), variable((256,), 0))
     projection = variable((256, 256 * 10))
     # As keras_duq initialises them; kernel values are then about 1e-5, not 0.
@@ -75,7 +77,9 @@ def build(tf, mode):
 
     def moments(x):
         mean = tf.reduce_mean(x, [0, 1, 2], keepdims=True)
-        variance = tf.reduce_mean(tf.math.squared_difference(x, mean), [0, 1, 2], keepdims=True)
+        variance = tf.reduce_mean(
+            tf.math.squared_difference(x, mean), [0, 1, 2], keepdims=True
+        )
         return mean, variance
 
     def exact(x, gamma, beta):
@@ -116,7 +120,9 @@ def build(tf, mode):
         return {"xla_bn": compiled, "custom_bn": compact}[mode](x, gamma, beta)
 
     def kernel_values(x):
-        for (kernel, bias), (gamma, beta), padding in zip(convs, norms, ("SAME", "SAME", "VALID")):
+        for (kernel, bias), (gamma, beta), padding in zip(
+            convs, norms, ("SAME", "SAME", "VALID")
+        ):
             x = tf.nn.conv2d(x, kernel, 1, padding) + bias
             x = tf.nn.max_pool2d(tf.nn.relu(batch_norm(x, gamma, beta)), 2, 2, "VALID")
         x = tf.nn.relu(tf.reshape(x, (-1, 512)) @ dense[0] + dense[1])
@@ -131,7 +137,11 @@ def build(tf, mode):
         return LAMBDA * tf.reduce_mean((norm - 1) ** 2)
 
     def sgd(loss, gradients):
-        return loss, gradients, [v.assign_sub(0.001 * g) for v, g in zip(variables, gradients)]
+        return (
+            loss,
+            gradients,
+            [v.assign_sub(0.001 * g) for v, g in zip(variables, gradients)],
+        )
 
     def step(x, y):
         with tf.GradientTape() as outer:
@@ -219,13 +229,19 @@ def profile(traces=3):
         metadata = tf.compat.v1.RunMetadata()
         session.run(
             train,
-            options=tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE),
+            options=tf.compat.v1.RunOptions(
+                trace_level=tf.compat.v1.RunOptions.FULL_TRACE
+            ),
             run_metadata=metadata,
         )
         for device in metadata.step_stats.dev_stats:
             for node in device.node_stats:
                 label = node.timeline_label
-                op = label.split(" = ")[1].split("(")[0] if " = " in label else node.node_name
+                op = (
+                    label.split(" = ")[1].split("(")[0]
+                    if " = " in label
+                    else node.node_name
+                )
                 by_type[op] += node.all_end_rel_micros / 1000 / traces
     total = sum(by_type.values())
     print(f"op time per step (sum over ops, ms): {total:.1f}")
@@ -234,8 +250,15 @@ def profile(traces=3):
     groups = collections.Counter()
     for op, ms in by_type.items():
         group = next(
-            (name for key, name in (("Conv2D", "convolutions"), ("MaxPool", "max pooling"),
-                                    ("MatMul", "matrix products")) if key in op),
+            (
+                name
+                for key, name in (
+                    ("Conv2D", "convolutions"),
+                    ("MaxPool", "max pooling"),
+                    ("MatMul", "matrix products"),
+                )
+                if key in op
+            ),
             "element-wise ops and reductions (batch norm's, ReLU's, the head's)",
         )
         groups[group] += ms
@@ -266,15 +289,32 @@ def main():
     for _ in range(args.rounds):
         for mode in modes:
             output = subprocess.run(
-                [sys.executable, "-m", "reproduction.studies.bare_penalty_step", "--worker", mode, "--steps", str(args.steps)],
-                check=True, capture_output=True, text=True, cwd=ROOT,
+                [
+                    sys.executable,
+                    "-m",
+                    "reproduction.studies.bare_penalty_step",
+                    "--worker",
+                    mode,
+                    "--steps",
+                    str(args.steps),
+                ],
+                check=True,
+                capture_output=True,
+                text=True,
+                cwd=ROOT,
                 env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
             ).stdout.split()
             results[mode].append(float(output[-1]))
     for mode in modes:
         median = statistics.median(results[mode])
-        ratio = f"  {median / statistics.median(results['exact']):.2f}x exact" if "exact" in results else ""
-        print(f"{mode:10s} {median:7.1f} ms  (rounds: {', '.join(f'{t:.1f}' for t in results[mode])}){ratio}")
+        ratio = (
+            f"  {median / statistics.median(results['exact']):.2f}x exact"
+            if "exact" in results
+            else ""
+        )
+        print(
+            f"{mode:10s} {median:7.1f} ms  (rounds: {', '.join(f'{t:.1f}' for t in results[mode])}){ratio}"
+        )
 
 
 if __name__ == "__main__":

@@ -49,11 +49,11 @@ import tensorflow as tf
 
 import keras_duq
 from benchmarks.speed import median_seconds
-from reproduction import fashion_mnist, two_moons
+from reproduction import fashion_mnist
+from reproduction import two_moons
 
 ROOT = Path(__file__).resolve().parents[2]
 KINDS = ("softmax", "duq_no_penalty", "duq_penalty")
-
 
 
 # Per task: backbone builder, input shape, classes, batch size, DUQ settings.
@@ -82,7 +82,10 @@ def build(kind, task, jit_compile=False):
     optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
     if kind == "softmax":
         model = keras.Sequential(
-            [backbone, keras.layers.Dense(settings["num_classes"], activation="softmax")]
+            [
+                backbone,
+                keras.layers.Dense(settings["num_classes"], activation="softmax"),
+            ]
         )
         model.compile(
             optimizer=optimizer,
@@ -243,7 +246,9 @@ class _BatchTimes(keras.callbacks.Callback):
 
 def _timed_fit(model, dataset, steps, callbacks=()):
     start = time.perf_counter()
-    model.fit(dataset, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=list(callbacks))
+    model.fit(
+        dataset, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=list(callbacks)
+    )
     return time.perf_counter() - start
 
 
@@ -303,7 +308,9 @@ def epoch_run(kind, steps, warmup_windows, memory_steps=40):
         "sum_of_batches_in_epoch_s": sum(batch_seconds),
         # A tail of slow batches (a stall, or this shared machine slowing
         # down) shows as a sum of batch times well above steps x the median.
-        "batches_over_twice_the_median": sum(t > 2 * median_batch for t in batch_seconds),
+        "batches_over_twice_the_median": sum(
+            t > 2 * median_batch for t in batch_seconds
+        ),
         "slowest_batches_in_epoch_s": sorted(batch_seconds)[-5:],
         # The rest of the epoch: `fit`'s set-up before the first batch, the
         # loop between batches, and the tear-down after the last.
@@ -323,9 +330,21 @@ def epoch_benchmark(steps, windows):
     results = {}
     for kind in ("softmax", "duq_penalty"):
         output = subprocess.run(
-            [sys.executable, "-m", "reproduction.studies.benchmark_speed", "--epoch-run", kind,
-             "--epoch-steps", str(steps or 0), "--windows", str(windows)],
-            capture_output=True, text=True, check=True, cwd=ROOT,
+            [
+                sys.executable,
+                "-m",
+                "reproduction.studies.benchmark_speed",
+                "--epoch-run",
+                kind,
+                "--epoch-steps",
+                str(steps or 0),
+                "--windows",
+                str(windows),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=ROOT,
         ).stdout
         results[kind] = json.loads(output.strip().splitlines()[-1])
     return results
@@ -338,7 +357,9 @@ def ratios(report):
         for mode in ("graph", "xla"):
             softmax = train[f"{mode}/softmax"]["step_s"]
             for kind in KINDS[1:]:
-                out[f"{task}/train/{mode}/{kind}"] = train[f"{mode}/{kind}"]["step_s"] / softmax
+                out[f"{task}/train/{mode}/{kind}"] = (
+                    train[f"{mode}/{kind}"]["step_s"] / softmax
+                )
         best_softmax = min(train[f"{m}/softmax"]["step_s"] for m in ("graph", "xla"))
         for kind in KINDS[1:]:
             best = min(train[f"{m}/{kind}"]["step_s"] for m in ("graph", "xla"))
@@ -359,7 +380,8 @@ def ratios(report):
         graph = report["train"]["fashion_mnist_cnn"]
         for kind in ("softmax", "duq_penalty"):
             out[f"fashion_mnist_cnn/bfloat16_over_float32/{kind}"] = (
-                bf16[f"mixed_bfloat16/{kind}"]["step_s"] / graph[f"graph/{kind}"]["step_s"]
+                bf16[f"mixed_bfloat16/{kind}"]["step_s"]
+                / graph[f"graph/{kind}"]["step_s"]
             )
     if "epoch" in report:
         epoch = report["epoch"]
@@ -408,17 +430,22 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", default="reproduction/results/benchmark_speed.json")
     parser.add_argument(
-        "--quick", action="store_true",
+        "--quick",
+        action="store_true",
         help="3 timing windows instead of 7 and a 60-step epoch.",
     )
     parser.add_argument("--windows", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument(
-        "--epoch-steps", type=int, default=None,
+        "--epoch-steps",
+        type=int,
+        default=None,
         help="Steps of the fit-vs-steps epoch (default: a full epoch, 469).",
     )
     parser.add_argument("--skip-epoch", action="store_true")
     parser.add_argument("--skip-bfloat16", action="store_true")
-    parser.add_argument("--epoch-run", choices=("softmax", "duq_penalty"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--epoch-run", choices=("softmax", "duq_penalty"), help=argparse.SUPPRESS
+    )
     args = parser.parse_args(argv)
     windows = args.windows or (3 if args.quick else 7)
     if args.epoch_run:

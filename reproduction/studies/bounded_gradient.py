@@ -51,24 +51,36 @@ def distant(scales=(1.0, 10.0, 100.0, 1000.0), epochs=5):
         for scale in scales:
             for bce_epsilon in EPSILONS:
                 keras.utils.set_random_seed(0)
-                backbone = keras.Sequential([keras.Input((4,)), keras.layers.Dense(16, activation="relu")])
+                backbone = keras.Sequential(
+                    [keras.Input((4,)), keras.layers.Dense(16, activation="relu")]
+                )
                 model = keras_duq.wrap(
-                    backbone, num_classes=2, length_scale=0.1,
-                    gradient_penalty=gradient_penalty, bce_epsilon=bce_epsilon,
+                    backbone,
+                    num_classes=2,
+                    length_scale=0.1,
+                    gradient_penalty=gradient_penalty,
+                    bce_epsilon=bce_epsilon,
                 )
                 model.compile(optimizer=keras.optimizers.SGD(0.01))
                 outcome, accuracy = "finished", None
                 try:
-                    history = model.fit(x * scale, y, epochs=epochs, batch_size=32, verbose=0)
+                    history = model.fit(
+                        x * scale, y, epochs=epochs, batch_size=32, verbose=0
+                    )
                     accuracy = round(float(history.history["accuracy"][-1]), 4)
                 except Exception as error:  # noqa: BLE001 - the guard's error is the outcome
                     outcome = f"stopped: {type(error).__name__}"
                 finite = all(np.all(np.isfinite(v.numpy())) for v in model.weights)
-                rows.append({
-                    "gradient_penalty": gradient_penalty, "input_scale": scale,
-                    "bce_epsilon": bce_epsilon, "outcome": outcome,
-                    "weights_finite": bool(finite), "last_epoch_accuracy": accuracy,
-                })
+                rows.append(
+                    {
+                        "gradient_penalty": gradient_penalty,
+                        "input_scale": scale,
+                        "bce_epsilon": bce_epsilon,
+                        "outcome": outcome,
+                        "weights_finite": bool(finite),
+                        "last_epoch_accuracy": accuracy,
+                    }
+                )
                 print(rows[-1], flush=True)
     return rows
 
@@ -79,18 +91,44 @@ def fashion_mnist(seeds, mnist_path, scratch):
         for bce_epsilon in EPSILONS:
             out = Path(scratch) / f"eps{bce_epsilon:g}_seed{seed}"
             subprocess.run(
-                [sys.executable, "-m", "reproduction.fashion_mnist", "--model", "duq",
-                 "--gradient-penalty", "0.05", "--epochs", "1", "--seed", str(seed),
-                 "--bce-epsilon", str(bce_epsilon), "--mnist-path", mnist_path,
-                 "--ood-eval-every", "0", "--output-dir", str(out), "--verbose", "0"],
-                check=True, cwd=ROOT,
+                [
+                    sys.executable,
+                    "-m",
+                    "reproduction.fashion_mnist",
+                    "--model",
+                    "duq",
+                    "--gradient-penalty",
+                    "0.05",
+                    "--epochs",
+                    "1",
+                    "--seed",
+                    str(seed),
+                    "--bce-epsilon",
+                    str(bce_epsilon),
+                    "--mnist-path",
+                    mnist_path,
+                    "--ood-eval-every",
+                    "0",
+                    "--output-dir",
+                    str(out),
+                    "--verbose",
+                    "0",
+                ],
+                check=True,
+                cwd=ROOT,
             )
             result = json.loads((out / "results.json").read_text())
-            rows.append({
-                "seed": seed, "bce_epsilon": bce_epsilon,
-                "epoch_1_training_accuracy": round(result["history"]["accuracy"][0], 4),
-                "test_accuracy": result["accuracy"], "auroc_vs_mnist": round(result["auroc"], 4),
-            })
+            rows.append(
+                {
+                    "seed": seed,
+                    "bce_epsilon": bce_epsilon,
+                    "epoch_1_training_accuracy": round(
+                        result["history"]["accuracy"][0], 4
+                    ),
+                    "test_accuracy": result["accuracy"],
+                    "auroc_vs_mnist": round(result["auroc"], 4),
+                }
+            )
             print(rows[-1], flush=True)
     return rows
 
@@ -103,11 +141,16 @@ def main(argv=None):
     parser.add_argument("--scratch-dir", default="/tmp/keras_duq_bounded_gradient")
     parser.add_argument("--output", default=None)
     args = parser.parse_args(argv)
-    report = {"machine": platform.processor() or platform.machine(), "keras": keras.__version__}
+    report = {
+        "machine": platform.processor() or platform.machine(),
+        "keras": keras.__version__,
+    }
     if "distant" in args.parts:
         report["distant"] = distant()
     if "fashion_mnist" in args.parts:
-        report["fashion_mnist"] = fashion_mnist(args.fashion_mnist_seeds, args.mnist_path, args.scratch_dir)
+        report["fashion_mnist"] = fashion_mnist(
+            args.fashion_mnist_seeds, args.mnist_path, args.scratch_dir
+        )
     if args.output:
         Path(args.output).write_text(json.dumps(report, indent=1) + "\n")
 

@@ -55,8 +55,14 @@ def moons(seeds, gradient_penalty):
             result["bias_correction"] = bias_correction
             result["meets_bar"] = two_moons.meets_bar(result)
             rows.append(result)
-            print("moons", bias_correction, seed, result["meets_bar"],
-                  round(result["far_certainty_mean"], 4), flush=True)
+            print(
+                "moons",
+                bias_correction,
+                seed,
+                result["meets_bar"],
+                round(result["far_certainty_mean"], 4),
+                flush=True,
+            )
     return rows
 
 
@@ -66,19 +72,36 @@ def fashion_mnist(seeds, mnist_path, output_dir):
     for seed in seeds:
         for bias_correction in (False, True):
             flag = "--bias-correction" if bias_correction else "--no-bias-correction"
-            results = example.main([
-                "--model", "duq", "--epochs", "1", "--seed", str(seed), flag,
-                "--ood-eval-every", "0", "--mnist-path", str(mnist_path),
-                "--output-dir", str(Path(output_dir) / f"fm_{seed}_{bias_correction}"),
-                "--verbose", "0",
-            ])
-            rows.append({
-                "seed": seed,
-                "bias_correction": bias_correction,
-                "accuracy": results["accuracy"],
-                "auroc": results["auroc"],
-                "train_accuracy": results.get("history", {}).get("accuracy", [None])[-1],
-            })
+            results = example.main(
+                [
+                    "--model",
+                    "duq",
+                    "--epochs",
+                    "1",
+                    "--seed",
+                    str(seed),
+                    flag,
+                    "--ood-eval-every",
+                    "0",
+                    "--mnist-path",
+                    str(mnist_path),
+                    "--output-dir",
+                    str(Path(output_dir) / f"fm_{seed}_{bias_correction}"),
+                    "--verbose",
+                    "0",
+                ]
+            )
+            rows.append(
+                {
+                    "seed": seed,
+                    "bias_correction": bias_correction,
+                    "accuracy": results["accuracy"],
+                    "auroc": results["auroc"],
+                    "train_accuracy": results.get("history", {}).get(
+                        "accuracy", [None]
+                    )[-1],
+                }
+            )
             print("fashion_mnist", rows[-1], flush=True)
     return rows
 
@@ -99,11 +122,16 @@ def mobilenet(seeds, epochs=5, steps=16, batch_size=32):
         for bias_correction in (False, True):
             keras.utils.set_random_seed(seed)
             backbone = keras.applications.MobileNetV2(
-                input_shape=(32, 32, 3), include_top=False, weights=None,
-                pooling="avg", alpha=0.35,
+                input_shape=(32, 32, 3),
+                include_top=False,
+                weights=None,
+                pooling="avg",
+                alpha=0.35,
             )
             model = keras_duq.wrap(
-                backbone, num_classes=10, gradient_penalty=0.0,
+                backbone,
+                num_classes=10,
+                gradient_penalty=0.0,
                 bias_correction=bias_correction,
             )
             model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9))
@@ -111,25 +139,33 @@ def mobilenet(seeds, epochs=5, steps=16, batch_size=32):
                 x_train, y_train, batch_size=batch_size, epochs=epochs, verbose=0
             )
             kernels = model.predict(x_test, verbose=0)
-            training_mode = np.concatenate([
-                model(x_test[i:i + 250], training=True).numpy()
-                for i in range(0, len(x_test), 250)
-            ])
-            rows.append({
-                "seed": seed,
-                "bias_correction": bias_correction,
-                "train_accuracy_last_epoch": history.history["accuracy"][-1],
-                "predict_accuracy": float((kernels.argmax(1) == y_test).mean()),
-                "training_mode_accuracy": float((training_mode.argmax(1) == y_test).mean()),
-                "median_certainty": float(np.median(kernels.max(1))),
-            })
+            training_mode = np.concatenate(
+                [
+                    model(x_test[i : i + 250], training=True).numpy()
+                    for i in range(0, len(x_test), 250)
+                ]
+            )
+            rows.append(
+                {
+                    "seed": seed,
+                    "bias_correction": bias_correction,
+                    "train_accuracy_last_epoch": history.history["accuracy"][-1],
+                    "predict_accuracy": float((kernels.argmax(1) == y_test).mean()),
+                    "training_mode_accuracy": float(
+                        (training_mode.argmax(1) == y_test).mean()
+                    ),
+                    "median_certainty": float(np.median(kernels.max(1))),
+                }
+            )
             print("mobilenet", rows[-1], flush=True)
     return rows
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--parts", nargs="+", default=["moons", "fashion_mnist", "mobilenet"])
+    parser.add_argument(
+        "--parts", nargs="+", default=["moons", "fashion_mnist", "mobilenet"]
+    )
     parser.add_argument("--moons-seeds", type=int, nargs="+", default=list(range(20)))
     parser.add_argument("--moons-gradient-penalty", type=float, default=None)
     parser.add_argument("--fashion-mnist-seeds", type=int, nargs="+", default=[0, 1])
@@ -148,7 +184,10 @@ def main(argv=None):
         penalty = args.moons_gradient_penalty
         if penalty is None:
             penalty = _example("two_moons").DEFAULT_GRADIENT_PENALTY
-        report["moons"] = {"gradient_penalty": penalty, "runs": moons(args.moons_seeds, penalty)}
+        report["moons"] = {
+            "gradient_penalty": penalty,
+            "runs": moons(args.moons_seeds, penalty),
+        }
     if "fashion_mnist" in args.parts:
         report["fashion_mnist"] = fashion_mnist(
             args.fashion_mnist_seeds, args.mnist_path, args.scratch_dir

@@ -73,7 +73,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument(
-        "--warmup", type=int, default=3,
+        "--warmup",
+        type=int,
+        default=3,
         help="Steps left out at the start of each model's first turn.",
     )
     parser.add_argument(
@@ -81,34 +83,43 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--rounds", type=int, default=1, help="Turns per model.")
     parser.add_argument(
-        "--models", default=",".join(KINDS),
+        "--models",
+        default=",".join(KINDS),
         help=f"Comma-separated subset of {','.join(KINDS)}.",
     )
     parser.add_argument(
-        "--gradient-penalty", type=float, default=0.5,
+        "--gradient-penalty",
+        type=float,
+        default=0.5,
         help="lambda of `duq_penalty` (the paper's CIFAR-10 value).",
     )
     parser.add_argument(
         "--recipe", default="paper", help="`--recipe` of reproduction/cifar10.py."
     )
     parser.add_argument(
-        "--mixed-precision", default="none",
+        "--mixed-precision",
+        default="none",
         choices=("none", "mixed_float16", "mixed_bfloat16"),
     )
     parser.add_argument(
-        "--jit-compile", choices=("auto", "true", "false"), default="auto",
+        "--jit-compile",
+        choices=("auto", "true", "false"),
+        default="auto",
         help="As in reproduction/cifar10.py (auto: no XLA on CPUs).",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--output", default=str(ROOT / "benchmarks" / "cifar10_speed.json"),
+        "--output",
+        default=str(ROOT / "benchmarks" / "cifar10_speed.json"),
         help="Where to write the JSON.",
     )
     args = parser.parse_args(argv)
     for name in ("batch_size", "steps", "rounds"):
         if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1. Received: "
-                         f"{getattr(args, name)}")
+            parser.error(
+                f"--{name.replace('_', '-')} must be >= 1. Received: "
+                f"{getattr(args, name)}"
+            )
     if args.warmup < 0:
         parser.error(f"--warmup must be >= 0. Received: {args.warmup}")
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
@@ -137,10 +148,14 @@ class StepTimer(keras.callbacks.Callback):
 def build(example, kind, args):
     """The example's compiled model for `kind`."""
     argv = [
-        "--recipe", args.recipe,
-        "--batch-size", str(args.batch_size),
-        "--mixed-precision", args.mixed_precision,
-        "--jit-compile", args.jit_compile,
+        "--recipe",
+        args.recipe,
+        "--batch-size",
+        str(args.batch_size),
+        "--mixed-precision",
+        args.mixed_precision,
+        "--jit-compile",
+        args.jit_compile,
     ]
     if kind == "softmax":
         argv += ["--model", "softmax"]
@@ -163,7 +178,11 @@ def random_batches(batch_size, seed):
 def time_steps(model, data, num_steps):
     timer = StepTimer()
     model.fit(
-        data, epochs=1, steps_per_epoch=num_steps, callbacks=[timer], verbose=0,
+        data,
+        epochs=1,
+        steps_per_epoch=num_steps,
+        callbacks=[timer],
+        verbose=0,
         shuffle=False,
     )
     return timer.seconds
@@ -227,9 +246,7 @@ def main(argv=None) -> dict:
             "keras": keras.__version__,
             "keras_duq": keras_duq.__version__,
         },
-        "settings": {
-            k: v for k, v in vars(args).items() if k != "output"
-        },
+        "settings": {k: v for k, v in vars(args).items() if k != "output"},
         "results": results,
         "reference": REFERENCE,
     }

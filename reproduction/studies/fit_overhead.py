@@ -44,7 +44,10 @@ class BatchTimes(keras.callbacks.Callback):
 
 def build(gradient_penalty):
     model = keras_duq.wrap(
-        fashion_mnist.build_backbone(), 10, centroid_dims=256, gradient_penalty=gradient_penalty
+        fashion_mnist.build_backbone(),
+        10,
+        centroid_dims=256,
+        gradient_penalty=gradient_penalty,
     )
     model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9))
     return model
@@ -68,29 +71,44 @@ def main(argv=None):
         "batch_size": args.batch_size,
         "results": {},
     }
-    dataset = keras_duq.datasets.make_dataset(x, y, batch_size=args.batch_size, shuffle=True, seed=0)
+    dataset = keras_duq.datasets.make_dataset(
+        x, y, batch_size=args.batch_size, shuffle=True, seed=0
+    )
     for gradient_penalty, inputs in (
-        (0.05, "numpy"), (0.05, "make_dataset"), (0.0, "numpy"), (0.0, "make_dataset")
+        (0.05, "numpy"),
+        (0.05, "make_dataset"),
+        (0.0, "numpy"),
+        (0.0, "make_dataset"),
     ):
         data = {"x": x, "y": y} if inputs == "numpy" else {"x": dataset}
         keras.utils.set_random_seed(0)
         model = build(gradient_penalty)
-        model.fit(**data, batch_size=None if inputs != "numpy" else args.batch_size, epochs=1, verbose=0)
+        model.fit(
+            **data,
+            batch_size=None if inputs != "numpy" else args.batch_size,
+            epochs=1,
+            verbose=0,
+        )
         rows = []
         for _ in range(args.runs):
             timer = BatchTimes()
             start = time.perf_counter()
             model.fit(
-                **data, batch_size=None if inputs != "numpy" else args.batch_size,
-                epochs=1, verbose=0, callbacks=[timer],
+                **data,
+                batch_size=None if inputs != "numpy" else args.batch_size,
+                epochs=1,
+                verbose=0,
+                callbacks=[timer],
             )
             wall = time.perf_counter() - start
-            rows.append({
-                "fit_seconds": round(wall, 3),
-                "sum_of_batches_seconds": round(sum(timer.times), 3),
-                "ratio": round(wall / sum(timer.times), 3),
-                "median_batch_ms": round(1000 * float(np.median(timer.times)), 1),
-            })
+            rows.append(
+                {
+                    "fit_seconds": round(wall, 3),
+                    "sum_of_batches_seconds": round(sum(timer.times), 3),
+                    "ratio": round(wall / sum(timer.times), 3),
+                    "median_batch_ms": round(1000 * float(np.median(timer.times)), 1),
+                }
+            )
             print(f"penalty {gradient_penalty}, {inputs}: {rows[-1]}", flush=True)
         report["results"][f"gradient_penalty={gradient_penalty}, {inputs}"] = rows
     text = json.dumps(report, indent=1)

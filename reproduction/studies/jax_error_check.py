@@ -42,12 +42,16 @@ def main():
     args = parser.parse_args()
 
     keras.utils.set_random_seed(0)
-    backbone = keras.Sequential([
-        keras.Input((2,)),
-        keras.layers.Dense(args.width, activation="relu"),
-        keras.layers.Dense(args.width, activation="relu"),
-    ])
-    model = keras_duq.wrap(backbone, num_classes=2, length_scale=0.3, gradient_penalty=1.0)
+    backbone = keras.Sequential(
+        [
+            keras.Input((2,)),
+            keras.layers.Dense(args.width, activation="relu"),
+            keras.layers.Dense(args.width, activation="relu"),
+        ]
+    )
+    model = keras_duq.wrap(
+        backbone, num_classes=2, length_scale=0.3, gradient_penalty=1.0
+    )
     model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9))
     rng = np.random.default_rng(0)
     x = rng.normal(size=(64 * args.steps, 2)).astype("float32")
@@ -73,8 +77,12 @@ def main():
             "keras": keras.__version__,
         },
         "steps": args.steps,
-        "ms_per_step_each_round": {k: [round(t, 4) for t in v] for k, v in times.items()},
-        "median_ms_per_step": {k: round(statistics.median(v), 4) for k, v in times.items()},
+        "ms_per_step_each_round": {
+            k: [round(t, 4) for t in v] for k, v in times.items()
+        },
+        "median_ms_per_step": {
+            k: round(statistics.median(v), 4) for k, v in times.items()
+        },
     }
     every_call = report["median_ms_per_step"]["every call"]
     for name, median in report["median_ms_per_step"].items():

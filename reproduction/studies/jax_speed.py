@@ -52,7 +52,10 @@ def fashion_mnist_cnn():
 
 
 def cifar_resnet18():
-    if "tensorflow" not in sys.modules and importlib.util.find_spec("tensorflow") is None:
+    if (
+        "tensorflow" not in sys.modules
+        and importlib.util.find_spec("tensorflow") is None
+    ):
         # reproduction/cifar10.py imports TensorFlow for its tf.data pipeline;
         # its ResNet-18 is plain Keras, so a machine with JAX only can build it.
         sys.modules["tensorflow"] = types.ModuleType("tensorflow")
@@ -66,11 +69,16 @@ def build(kind, make_backbone):
     backbone, shape, centroid_dims = make_backbone()
     optimizer = keras.optimizers.SGD(0.05, momentum=0.9)
     if kind == "softmax":
-        model = keras.Sequential([backbone, keras.layers.Dense(10, activation="softmax")])
+        model = keras.Sequential(
+            [backbone, keras.layers.Dense(10, activation="softmax")]
+        )
         model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy")
     else:
         model = keras_duq.wrap(
-            backbone, num_classes=10, centroid_dims=centroid_dims, length_scale=0.1,
+            backbone,
+            num_classes=10,
+            centroid_dims=centroid_dims,
+            length_scale=0.1,
             gradient_penalty=0.5 if kind == "duq_penalty" else 0.0,
         )
         model.compile(optimizer=optimizer)
@@ -82,7 +90,9 @@ def time_steps(model, shape, batch_size, steps, repeats):
     x = rng.normal(size=(batch_size * steps,) + shape).astype("float32")
     y = rng.integers(0, 10, size=batch_size * steps)
     start = time.perf_counter()
-    model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0)  # compile
+    model.fit(
+        x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0
+    )  # compile
     first_fit_s = time.perf_counter() - start
     times = []
     for _ in range(repeats):
@@ -115,7 +125,9 @@ def main(argv=None):
         "--networks", nargs="+", default=["fashion_mnist_cnn"], choices=sorted(NETWORKS)
     )
     parser.add_argument("--policies", nargs="+", default=["float32", "mixed_bfloat16"])
-    parser.add_argument("--matmul-precision", default=None, choices=(None, "highest", "default"))
+    parser.add_argument(
+        "--matmul-precision", default=None, choices=(None, "highest", "default")
+    )
     parser.add_argument("--output", default=None)
     args = parser.parse_args(argv)
     if args.matmul_precision:
@@ -148,8 +160,13 @@ def main(argv=None):
                     "first_fit_s": round(first_fit_s, 1),  # mostly compilation
                 }
                 if kind != "duq_penalty":  # the same network as "duq" at inference
-                    row[kind]["predict_b1000_ms"] = round(time_inference(model, shape), 3)
-                print(f"{network} {policy} {kind}: {median:.2f} ms/step, {row[kind]}", flush=True)
+                    row[kind]["predict_b1000_ms"] = round(
+                        time_inference(model, shape), 3
+                    )
+                print(
+                    f"{network} {policy} {kind}: {median:.2f} ms/step, {row[kind]}",
+                    flush=True,
+                )
                 write(report, args.output)
             row["penalty_over_softmax"] = round(
                 row["duq_penalty"]["median"] / row["softmax"]["median"], 3

@@ -32,8 +32,11 @@ INTERVALS = (1, 2, 4, 8)
 def build(gradient_penalty, penalty_interval):
     keras.utils.set_random_seed(0)
     model = keras_duq.wrap(
-        fashion_mnist.build_backbone(), 10, centroid_dims=256,
-        gradient_penalty=gradient_penalty, penalty_interval=penalty_interval,
+        fashion_mnist.build_backbone(),
+        10,
+        centroid_dims=256,
+        gradient_penalty=gradient_penalty,
+        penalty_interval=penalty_interval,
     )
     model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9))
     return model
@@ -41,7 +44,9 @@ def build(gradient_penalty, penalty_interval):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=24, help="steps per round (a multiple of 8)")
+    parser.add_argument(
+        "--steps", type=int, default=24, help="steps per round (a multiple of 8)"
+    )
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--output", default=None)
     args = parser.parse_args(argv)
@@ -54,7 +59,7 @@ def main(argv=None):
     models = {name: build(0.05, k) for name, k in zip(names, INTERVALS)}
     models["no penalty"] = build(0.0, 1)
     for model in models.values():  # trace, and start every model at step 0 of a cycle
-        model.fit(x[:8 * 128], y[:8 * 128], batch_size=128, shuffle=False, verbose=0)
+        model.fit(x[: 8 * 128], y[: 8 * 128], batch_size=128, shuffle=False, verbose=0)
     seconds = {name: [] for name in models}
     for round_ in range(args.rounds):
         order = names if round_ % 2 == 0 else names[::-1]
@@ -70,13 +75,23 @@ def main(argv=None):
         "batch_size": 128,
         "steps_per_round": args.steps,
         "rounds": args.rounds,
-        "mean_step_ms": {n: round(1000 * statistics.mean(s), 1) for n, s in seconds.items()},
-        "per_round_step_ms": {n: [round(1000 * v, 1) for v in s] for n, s in seconds.items()},
-        "time_vs_exact": {n: round(statistics.mean(s) / exact, 3) for n, s in seconds.items()},
+        "mean_step_ms": {
+            n: round(1000 * statistics.mean(s), 1) for n, s in seconds.items()
+        },
+        "per_round_step_ms": {
+            n: [round(1000 * v, 1) for v in s] for n, s in seconds.items()
+        },
+        "time_vs_exact": {
+            n: round(statistics.mean(s) / exact, 3) for n, s in seconds.items()
+        },
     }
-    print(f"FashionMNIST CNN, batch 128, whole-fit time per step, mean of {args.rounds} rounds:")
+    print(
+        f"FashionMNIST CNN, batch 128, whole-fit time per step, mean of {args.rounds} rounds:"
+    )
     for name in names:
-        print(f"  {name:<20} {report['mean_step_ms'][name]:7.1f} ms  ({report['time_vs_exact'][name]:.2f}x the exact penalty)")
+        print(
+            f"  {name:<20} {report['mean_step_ms'][name]:7.1f} ms  ({report['time_vs_exact'][name]:.2f}x the exact penalty)"
+        )
     if args.output:
         Path(args.output).write_text(json.dumps(report, indent=1) + "\n")
 

@@ -92,7 +92,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--calls", type=int, default=5, help="Steps per timed window.")
-    parser.add_argument("--output", default=str(ROOT / "benchmarks" / "penalty_breakdown.json"))
+    parser.add_argument(
+        "--output", default=str(ROOT / "benchmarks" / "penalty_breakdown.json")
+    )
     args = parser.parse_args(argv)
 
     steppers = {f"with_batchnorm/{k}": v for k, v in _steppers(True).items()}
@@ -120,12 +122,16 @@ def main(argv=None):
     # softmax step of the paper's CNN (with BatchNormalization)?
     paper_softmax = medians["with_batchnorm/softmax"]
     paper_ratios = {name: value / paper_softmax for name, value in medians.items()}
-    print(f"{'part':42s} {'median ms':>10s} {'/ softmax':>10s} {'/ CNN softmax':>14s}"
-          "   (rounds: ms)")
+    print(
+        f"{'part':42s} {'median ms':>10s} {'/ softmax':>10s} {'/ CNN softmax':>14s}"
+        "   (rounds: ms)"
+    )
     for name, value in medians.items():
         rounds = " ".join(f"{t * 1000:.0f}" for t in times[name])
-        print(f"{name:42s} {value * 1000:10.1f} {ratios[name]:9.2f}x "
-              f"{paper_ratios[name]:13.2f}x   ({rounds})")
+        print(
+            f"{name:42s} {value * 1000:10.1f} {ratios[name]:9.2f}x "
+            f"{paper_ratios[name]:13.2f}x   ({rounds})"
+        )
     report = {
         "machine": speed.machine(),
         "rounds": args.rounds,

@@ -47,13 +47,16 @@ def keras_worker():
     import numpy as np
 
     import keras_duq
-
     from reproduction import fashion_mnist
 
     keras.utils.set_random_seed(0)
     model = keras_duq.wrap(
-        fashion_mnist.build_backbone(), CLASSES, centroid_dims=CENTROID_DIMS,
-        length_scale=LENGTH_SCALE, momentum=GAMMA, gradient_penalty=PENALTY,
+        fashion_mnist.build_backbone(),
+        CLASSES,
+        centroid_dims=CENTROID_DIMS,
+        length_scale=LENGTH_SCALE,
+        momentum=GAMMA,
+        gradient_penalty=PENALTY,
         weight_decay=WEIGHT_DECAY,
     )
     model.compile(optimizer=keras.optimizers.SGD(LR, momentum=0.9))
@@ -77,7 +80,10 @@ def keras_worker():
         model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[timer])
         return timer.times
 
-    versions = {"tensorflow": __import__("tensorflow").__version__, "keras": keras.__version__}
+    versions = {
+        "tensorflow": __import__("tensorflow").__version__,
+        "keras": keras.__version__,
+    }
     return run, versions
 
 
@@ -98,9 +104,13 @@ def torch_worker():
             self.conv2, self.bn2 = nn.Conv2d(64, 128, 3, padding=1), nn.BatchNorm2d(128)
             self.conv3, self.bn3 = nn.Conv2d(128, 128, 3), nn.BatchNorm2d(128)
             self.fc1 = nn.Linear(2 * 2 * 128, FEATURES)
-            self.W = nn.Parameter(torch.normal(torch.zeros(CENTROID_DIMS, CLASSES, FEATURES), 0.05))
+            self.W = nn.Parameter(
+                torch.normal(torch.zeros(CENTROID_DIMS, CLASSES, FEATURES), 0.05)
+            )
             self.register_buffer("N", torch.ones(CLASSES) * 12)
-            self.register_buffer("m", torch.normal(torch.zeros(CENTROID_DIMS, CLASSES), 1) * 12)
+            self.register_buffer(
+                "m", torch.normal(torch.zeros(CENTROID_DIMS, CLASSES), 1) * 12
+            )
 
         def compute_features(self, x):
             x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 2)
@@ -122,7 +132,9 @@ def torch_worker():
             self.m = GAMMA * self.m + (1 - GAMMA) * torch.einsum("ijk,ik->jk", z, y)
 
     model = Model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9, weight_decay=WEIGHT_DECAY)
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=LR, momentum=0.9, weight_decay=WEIGHT_DECAY
+    )
 
     def step(x, labels):
         model.train()
@@ -181,8 +193,18 @@ def main(argv=None):
     workers, versions = {}, {}
     for kind in ("keras", "torch"):
         workers[kind] = subprocess.Popen(
-            [sys.executable, "-m", "reproduction.studies.pytorch_comparison", "--worker", kind],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+            [
+                sys.executable,
+                "-m",
+                "reproduction.studies.pytorch_comparison",
+                "--worker",
+                kind,
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=ROOT,
         )
         versions.update(json.loads(workers[kind].stdout.readline()))
     times = {kind: [] for kind in workers}
@@ -207,7 +229,11 @@ def main(argv=None):
         "pytorch_over_keras_duq": round(medians["torch"] / medians["keras"], 3),
         "per_round_median_ms": {
             kind: [
-                round(1000 * statistics.median(values[i * args.steps:(i + 1) * args.steps]), 1)
+                round(
+                    1000
+                    * statistics.median(values[i * args.steps : (i + 1) * args.steps]),
+                    1,
+                )
                 for i in range(args.rounds)
             ]
             for kind, values in times.items()
