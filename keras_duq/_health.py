@@ -306,10 +306,8 @@ class _ModeComparison:
 
 
 def _float64(value):
-    """A tensor's or a variable's value as a float64 NumPy array."""
-    if hasattr(value, "numpy"):  # Keras and TensorFlow variables and tensors
-        value = value.numpy()
-    return np.asarray(value).astype("float64")
+    """A tensor's or a variable's value as a float64 NumPy array (any backend)."""
+    return np.asarray(ops.convert_to_numpy(value)).astype("float64")
 
 
 def _underflow_fraction(log_kernel):

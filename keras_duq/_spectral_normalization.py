@@ -298,7 +298,8 @@ class _LinearOperator:
         # A depthwise kernel `(..., in, m)` is the grouped kernel `(..., 1, in * m)`.
         kernel = ops.reshape(kernel, tuple(kernel.shape[:rank]) + (-1, out_channels))
         groups = in_channels // kernel.shape[-2]
-        return ops.tile(kernel, (1,) * rank + (groups, 1)) * self.group_mask
+        mask = ops.convert_to_tensor(self.group_mask, dtype=kernel.dtype)
+        return ops.tile(kernel, (1,) * rank + (groups, 1)) * mask
 
 
 def _spatial_shape(layer, input_shape):

@@ -655,6 +655,7 @@ def test_calibrator_is_monotone_and_a_probability():
     assert probability[0] < 0.05 and probability[-1] > 0.9
 
 
+@pytest.mark.requires_backend("tensorflow")  # tf.function
 def test_calibrator_in_tf_function_and_on_tensors():
     certainty, correct = _calibration_data()
     calibrator = keras_duq.evaluation.CertaintyCalibrator().fit(certainty, correct)

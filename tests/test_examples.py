@@ -65,6 +65,7 @@ def test_bring_your_own_backbone(monkeypatch, keras_home, mnist_dir):
     assert result["model"].duq_output.centroids.shape == (256, 10)
 
 
+@pytest.mark.requires_backend("tensorflow")  # SavedModel from TensorFlow
 def test_serving(tmp_path, monkeypatch):
     result = run_example(
         "serving.py", ["--quick", "--output-dir", str(tmp_path)], monkeypatch
@@ -75,6 +76,7 @@ def test_serving(tmp_path, monkeypatch):
     assert body == {"instances": result["x"].tolist()}
 
 
+@pytest.mark.requires_backend("tensorflow")  # tensorflow-datasets mock data
 def test_cifar10_under_mock_data(tmp_path, monkeypatch):
     # No CIFAR-10 or SVHN here: tfds serves random images with the data sets'
     # shapes and dtypes, and fails any attempt to download.

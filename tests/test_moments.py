@@ -11,6 +11,9 @@ from keras.src.backend.tensorflow import nn as keras_tf_nn
 import keras_duq
 from keras_duq import _moments
 
+# TensorFlow's second-order batch moments (keras_duq._moments).
+pytestmark = pytest.mark.requires_backend("tensorflow")
+
 
 @pytest.fixture
 def float64():

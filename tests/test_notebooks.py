@@ -4,6 +4,9 @@ from pathlib import Path
 
 import pytest
 
+# The notebooks use TensorFlow (tf.data, tensorflow-datasets, SavedModel).
+pytestmark = pytest.mark.requires_backend("tensorflow")
+
 NOTEBOOK_DIR = Path(__file__).resolve().parents[1] / "examples" / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 

@@ -18,6 +18,9 @@ tfds = pytest.importorskip("tensorflow_datasets")
 
 from reproduction import cifar10  # noqa: E402
 
+# The reproduction harness feeds data through tf.data.
+pytestmark = pytest.mark.requires_backend("tensorflow")
+
 RESULT_KEYS = (
     "accuracy",
     "auroc",

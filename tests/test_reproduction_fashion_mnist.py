@@ -14,6 +14,9 @@ import pytest
 
 from reproduction import fashion_mnist
 
+# The reproduction harness feeds data through tf.data.
+pytestmark = pytest.mark.requires_backend("tensorflow")
+
 
 @pytest.mark.slow
 def test_duq_smoke_run_learns(tmp_path, mnist_dir, fashion_mnist_dir):

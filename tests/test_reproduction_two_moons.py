@@ -15,6 +15,9 @@ import pytest
 
 from reproduction import two_moons
 
+# The reproduction harness runs on TensorFlow.
+pytestmark = pytest.mark.requires_backend("tensorflow")
+
 SEEDS = range(5)  # the first five; not chosen by their results
 
 

@@ -6,9 +6,13 @@ pyproject.toml declares (see `.ci/run`).
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import keras_duq
+
+# Export to a SavedModel and the lowest supported TensorFlow: TensorFlow only.
+pytestmark = pytest.mark.requires_backend("tensorflow")
 
 
 def test_wrap_fit_save_load_export(tmp_path):

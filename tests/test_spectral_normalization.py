@@ -155,6 +155,7 @@ def test_training_calls_update_vector_and_inference_does_not():
     np.testing.assert_array_equal(wrapper.layer.kernel.numpy(), kernel)
 
 
+@pytest.mark.requires_backend("tensorflow")  # tf.GradientTape
 def test_gradient_sees_the_rescaling():
     # d(output)/d(kernel) includes the derivative of 1 / sigma(kernel): the
     # gradient of the normalised output along the kernel itself is 0, since
@@ -231,6 +232,9 @@ def test_functional_cnn_with_batch_norm_is_normalized_and_trains():
     assert np.all(np.isfinite(model.predict(x, verbose=0)))
 
 
+@pytest.mark.requires_backend(
+    "tensorflow"
+)  # TensorFlow error type; all backends: test_backends.py
 def test_rejected_batch_keeps_power_iteration_vectors():
     keras.utils.set_random_seed(0)
     normalized = keras_duq.spectral_normalize(
