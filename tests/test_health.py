@@ -316,11 +316,11 @@ def test_inputs_are_sampled_from_arrays_datasets_and_py_datasets():
 def _features(model, x, training):
     extractor = model.feature_extractor
     if not training:
-        return extractor(x, training=False).numpy()
+        return keras.ops.convert_to_numpy(extractor(x, training=False))
     trainable = [v.value for v in extractor.trainable_variables]
     non_trainable = [v.value for v in extractor.non_trainable_variables]
     features, _ = extractor.stateless_call(trainable, non_trainable, x, training=True)
-    return features.numpy()
+    return keras.ops.convert_to_numpy(features)
 
 
 def _relative_gap(model, x):
@@ -346,8 +346,10 @@ def test_recompute_batch_norm_statistics_settles_them():
     x, y = _data(n=256, scale=10.0, shift=5.0)
     _fit(model, x[:32], y[:32], batch_size=16)
     assert _relative_gap(model, x) > 0.5
-    weights = [v.numpy().copy() for v in model.trainable_variables]
-    frozen_state = [v.numpy().copy() for v in frozen.non_trainable_variables]
+    weights = [keras.ops.convert_to_numpy(v).copy() for v in model.trainable_variables]
+    frozen_state = [
+        keras.ops.convert_to_numpy(v).copy() for v in frozen.non_trainable_variables
+    ]
     momenta = [layer.momentum for layer in (nested.layers[0], frozen)]
 
     names = keras_duq.recompute_batch_norm_statistics(model, x, batch_size=len(x))
@@ -356,9 +358,9 @@ def test_recompute_batch_norm_statistics_settles_them():
     # so inference mode computes what training mode computes on it.
     assert _relative_gap(model, x) < 1e-4
     for old, variable in zip(weights, model.trainable_variables):
-        np.testing.assert_array_equal(old, variable.numpy())
+        np.testing.assert_array_equal(old, keras.ops.convert_to_numpy(variable))
     for old, variable in zip(frozen_state, frozen.non_trainable_variables):
-        np.testing.assert_array_equal(old, variable.numpy())
+        np.testing.assert_array_equal(old, keras.ops.convert_to_numpy(variable))
     assert [layer.momentum for layer in (nested.layers[0], frozen)] == momenta
 
     # Batches of a dataset: the average of their statistics.
@@ -374,14 +376,14 @@ def test_recompute_batch_norm_statistics_errors_change_nothing():
     with pytest.raises(ValueError, match="found no BatchNormalization"):
         keras_duq.recompute_batch_norm_statistics(model, x)
     model = _model(layers=[keras.layers.BatchNormalization()])
-    state = [v.numpy().copy() for v in model.weights]
+    state = [keras.ops.convert_to_numpy(v).copy() for v in model.weights]
     with pytest.raises(ValueError, match="steps"):
         keras_duq.recompute_batch_norm_statistics(model, x, steps=0)
     endless = tf.data.Dataset.from_tensor_slices(x).batch(8).repeat()
     with pytest.raises(ValueError, match="endless"):
         keras_duq.recompute_batch_norm_statistics(model, endless)
     for old, variable in zip(state, model.weights):
-        np.testing.assert_array_equal(old, variable.numpy())
+        np.testing.assert_array_equal(old, keras.ops.convert_to_numpy(variable))
     keras_duq.recompute_batch_norm_statistics(model, endless, steps=2)
 
 

@@ -15,6 +15,11 @@ import keras_duq
 from keras_duq import _compat
 
 
+def _np(x):
+    """A tensor or variable as a NumPy array, on any backend."""
+    return keras.ops.convert_to_numpy(x)
+
+
 def _dense_model(singular_values, seed=0):
     """A model `x -> x K` whose kernel has exactly these singular values."""
     rng = np.random.default_rng(seed)
@@ -34,7 +39,7 @@ def _operator_norm(model, shape):
     size = int(np.prod(shape))
     basis = np.eye(size, dtype="float32").reshape((size,) + tuple(shape))
     zero = np.zeros((1,) + tuple(shape), "float32")
-    matrix = np.asarray(model(basis), "float32") - np.asarray(model(zero), "float32")
+    matrix = _np(model(basis)).astype("float32") - _np(model(zero)).astype("float32")
     return np.linalg.norm(matrix.reshape(size, -1), 2)
 
 
@@ -63,10 +68,10 @@ def test_layer_within_bound_is_unchanged():
     model = _dense_model([1.5, 1.0, 0.5])
     normalized = keras_duq.spectral_normalize(model, coefficient=2.0)
     x = np.random.default_rng(1).normal(size=(5, 6)).astype("float32")
-    np.testing.assert_array_equal(normalized(x), model(x))
+    np.testing.assert_array_equal(_np(normalized(x)), _np(model(x)))
     _train_calls(normalized, (6,), 3)
-    np.testing.assert_array_equal(normalized(x), model(x))
-    np.testing.assert_array_equal(normalized(x, training=True), model(x))
+    np.testing.assert_array_equal(_np(normalized(x)), _np(model(x)))
+    np.testing.assert_array_equal(_np(normalized(x, training=True)), _np(model(x)))
 
 
 _CONVOLUTIONS = {
@@ -128,8 +133,8 @@ def _assert_transpose_is_adjoint(name):
     rng = np.random.default_rng(0)
     v = rng.normal(size=(1,) + shape).astype("float32")
     u = rng.normal(size=wrapper.vector_u.shape).astype("float32")
-    forward = np.asarray(operator.apply(v, kernel))
-    backward = np.asarray(operator.transpose(u, kernel))
+    forward = _np(operator.apply(v, kernel))
+    backward = _np(operator.transpose(u, kernel))
     assert forward.shape == u.shape and backward.shape == v.shape
     np.testing.assert_allclose(np.sum(forward * u), np.sum(v * backward), rtol=1e-4)
 
@@ -145,14 +150,14 @@ def test_training_calls_update_vector_and_inference_does_not():
     )
     wrapper = normalized.layers[-1]
     x = np.ones((2, 6), "float32")
-    before = wrapper.vector_u.numpy().copy()
-    kernel = wrapper.layer.kernel.numpy().copy()
+    before = _np(wrapper.vector_u).copy()
+    kernel = _np(wrapper.layer.kernel).copy()
     first = normalized(x)
-    np.testing.assert_array_equal(wrapper.vector_u.numpy(), before)
-    np.testing.assert_array_equal(normalized(x), first)
+    np.testing.assert_array_equal(_np(wrapper.vector_u), before)
+    np.testing.assert_array_equal(_np(normalized(x)), _np(first))
     normalized(x, training=True)
-    assert not np.array_equal(wrapper.vector_u.numpy(), before)
-    np.testing.assert_array_equal(wrapper.layer.kernel.numpy(), kernel)
+    assert not np.array_equal(_np(wrapper.vector_u), before)
+    np.testing.assert_array_equal(_np(wrapper.layer.kernel), kernel)
 
 
 @pytest.mark.requires_backend("tensorflow")  # tf.GradientTape
@@ -222,13 +227,13 @@ def test_functional_cnn_with_batch_norm_is_normalized_and_trains():
         normalized, num_classes=2, length_scale=0.5, gradient_penalty=0.5
     )
     model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9))
-    vectors = [w.vector_u.numpy().copy() for w in _wrappers(normalized)]
+    vectors = [_np(w.vector_u).copy() for w in _wrappers(normalized)]
     history = model.fit(x, y, batch_size=16, epochs=2, verbose=0)
     losses = history.history["loss"]
     assert np.all(np.isfinite(losses))
     assert np.all(np.isfinite(history.history["gradient_penalty"]))
     for before, wrapper in zip(vectors, _wrappers(normalized)):
-        assert not np.array_equal(before, wrapper.vector_u.numpy())
+        assert not np.array_equal(before, _np(wrapper.vector_u))
     assert np.all(np.isfinite(model.predict(x, verbose=0)))
 
 
@@ -247,14 +252,14 @@ def test_rejected_batch_keeps_power_iteration_vectors():
     x = np.random.default_rng(0).normal(size=(16, 6)).astype("float32")
     y = np.zeros(16, "int64")
     wrapper = _wrappers(normalized)[0]
-    before = wrapper.vector_u.numpy().copy()
+    before = _np(wrapper.vector_u).copy()
     # Inputs this large overflow the distances to the centroids: the forward
     # pass (which stepped the power iteration) is rejected as a whole.
     with pytest.raises(tf.errors.InvalidArgumentError, match="non-finite"):
         model.fit(x * 1e30, y, batch_size=16, verbose=0)
-    np.testing.assert_array_equal(wrapper.vector_u.numpy(), before)
+    np.testing.assert_array_equal(_np(wrapper.vector_u), before)
     model.fit(x, y, batch_size=16, verbose=0)
-    assert not np.array_equal(wrapper.vector_u.numpy(), before)
+    assert not np.array_equal(_np(wrapper.vector_u), before)
 
 
 def test_keras_file_round_trip(tmp_path):
@@ -270,7 +275,7 @@ def test_keras_file_round_trip(tmp_path):
         loaded.predict(x, verbose=0), model.predict(x, verbose=0)
     )
     for original, copy in zip(_wrappers(model), _wrappers(loaded)):
-        np.testing.assert_array_equal(original.vector_u.numpy(), copy.vector_u.numpy())
+        np.testing.assert_array_equal(_np(original.vector_u), _np(copy.vector_u))
         assert copy.coefficient == 0.5
 
 
@@ -332,7 +337,7 @@ def test_sequential_model():
         "SpectralNormalization",
     ]
     x = np.random.default_rng(0).normal(size=(3, 5, 5, 2)).astype("float32")
-    np.testing.assert_array_equal(normalized(x, training=True), model(x))
+    np.testing.assert_array_equal(_np(normalized(x, training=True)), _np(model(x)))
 
 
 def test_spectral_normalize_rejects_subclassed_and_duq_models():
@@ -359,6 +364,7 @@ import keras
 import keras_duq
 from keras_duq import _compat
 from tests.test_spectral_normalization import (
+
     _CONVOLUTIONS, _assert_transpose_is_adjoint, _cnn_backbone, _dense_model, _images,
     _operator_norm, _train_calls, _wrappers,
 )
@@ -381,10 +387,10 @@ backbone = keras_duq.spectral_normalize(_cnn_backbone(), coefficient=1.0)
 model = keras_duq.wrap(backbone, num_classes=2, length_scale=0.5, gradient_penalty=0.5)
 model.compile(optimizer=keras.optimizers.SGD(0.05))
 x, y = _images(16)
-initial = [w.vector_u.numpy().copy() for w in _wrappers(backbone)]
+initial = [_np(w.vector_u).copy() for w in _wrappers(backbone)]
 history = model.fit(x, y, batch_size=8, verbose=0)
 assert np.isfinite(history.history["loss"][-1])
-vectors = [w.vector_u.numpy().copy() for w in _wrappers(backbone)]
+vectors = [_np(w.vector_u).copy() for w in _wrappers(backbone)]
 assert not any(np.array_equal(a, b) for a, b in zip(initial, vectors))
 try:
     model.fit(x * 1e30, y, batch_size=16, verbose=0)
@@ -392,7 +398,7 @@ try:
 except ValueError as error:
     assert "non-finite" in str(error), error
 for before, wrapper in zip(vectors, _wrappers(backbone)):
-    np.testing.assert_array_equal(before, wrapper.vector_u.numpy())
+    np.testing.assert_array_equal(before, _np(wrapper.vector_u))
 print("ok")
 """
 
