@@ -108,8 +108,8 @@ def test_binary_cross_entropy_epsilon_zero_is_exact_gradient():
 
 
 def test_binary_cross_entropy_is_finite_at_zero_distance():
-    log_kernel = np.array([[0.0, 0.0]], "float32")
-    labels = np.array([[1.0, 0.0]], "float32")
+    log_kernel = keras.ops.convert_to_tensor([[0.0, 0.0]], "float32")
+    labels = keras.ops.convert_to_tensor([[1.0, 0.0]], "float32")
     loss = _ops.binary_cross_entropy(log_kernel, labels)
     assert np.isfinite(keras.ops.convert_to_numpy(loss)).all()
 
