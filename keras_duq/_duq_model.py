@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import inspect
+import os
+from typing import TYPE_CHECKING
+from typing import Any
 
 import keras
 import numpy as np
@@ -12,11 +15,15 @@ from keras_duq import _compat
 from keras_duq import _health
 from keras_duq import _ops
 from keras_duq._duq_output import DUQOutput
+from keras_duq._typing import Tensor
 from keras_duq._validation import check_non_negative
 from keras_duq._validation import check_positive_int
 from keras_duq._validation import is_float
 from keras_duq._validation import label_dtype_message
 from keras_duq._validation import own_loss_message
+
+if TYPE_CHECKING:
+    from keras_duq.evaluation import CertaintyCalibrator
 
 
 def _backend_trainer():
@@ -179,16 +186,16 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
 
     def __init__(
         self,
-        inputs,
-        outputs,
+        inputs: Any,
+        outputs: keras.KerasTensor,
         gradient_penalty: float = DEFAULT_GRADIENT_PENALTY,
         penalty: str = "two_sided",
         penalty_interval: int = 1,
         weight_decay: float = DEFAULT_WEIGHT_DECAY,
         bce_epsilon: float = 0.0,
         health_checks: bool = True,
-        **kwargs,
-    ):
+        **kwargs: Any,
+    ) -> None:
         check_non_negative("gradient_penalty", gradient_penalty)
         check_non_negative("weight_decay", weight_decay)
         check_non_negative("bce_epsilon", bce_epsilon)
@@ -242,12 +249,12 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
         )
         self.built = True
 
-    def call(self, inputs, training=None):
+    def call(self, inputs: Any, training: bool | None = None) -> Tensor:
         features = self.feature_extractor(inputs, training=training)
         return self.duq_output(features)
 
     @property
-    def metrics(self):
+    def metrics(self) -> list[keras.metrics.Metric]:
         # Keras's documented pattern for a custom `train_step`: our own
         # trackers first, in place of Keras's loss tracker (a DUQ model is
         # compiled without a loss), then the metrics passed to `compile`.
@@ -270,13 +277,15 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
         ]
         return own + others
 
-    def get_metrics_result(self):
+    def get_metrics_result(self) -> dict[str, Any]:
         logs = super().get_metrics_result()
         if self._error_tracker is not None:
             logs.pop(self._error_tracker.name, None)
         return logs
 
-    def compile(self, optimizer="rmsprop", loss=None, *args, **kwargs):
+    def compile(
+        self, optimizer: Any = "rmsprop", loss: Any = None, *args: Any, **kwargs: Any
+    ) -> None:
         """Configures training as `keras.Model.compile` does, without a `loss`.
 
         Args:
@@ -298,7 +307,7 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
             raise ValueError(own_loss_message(loss))
         super().compile(optimizer, None, *args, **kwargs)
 
-    def compile_from_config(self, config):
+    def compile_from_config(self, config: dict[str, Any]) -> None:
         # Keras does not restore the compilation of models that override
         # `compile` (it cannot know what the override needs); this one only
         # adds a check, so loading compiles as Keras's own would.
@@ -310,7 +319,7 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
     # On TensorFlow, in-memory arrays reach Keras as the same batches in a
     # pipeline without tf.data's autotuning (`quiet_array_inputs`).
 
-    def fit(self, *args, **kwargs):
+    def fit(self, *args: Any, **kwargs: Any) -> keras.callbacks.History:
         if self.health_checks:
             args, kwargs = _health.with_health_check(self, super().fit, args, kwargs)
         args, kwargs = _arguments_for(
@@ -318,7 +327,7 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
         )
         return super().fit(*args, **kwargs)
 
-    def evaluate(self, *args, **kwargs):
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
         if self.health_checks:
             args, kwargs = _health.with_health_check(
                 self, super().evaluate, args, kwargs
@@ -328,7 +337,7 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
         )
         return super().evaluate(*args, **kwargs)
 
-    def predict(self, *args, **kwargs):
+    def predict(self, *args: Any, **kwargs: Any) -> np.ndarray:
         args, kwargs = _arguments_for(super().predict, "predict", args, kwargs)
         kernel_values = super().predict(*args, **kwargs)
         if self.health_checks:
@@ -378,14 +387,14 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
 
     def export(
         self,
-        filepath,
-        format="tf_saved_model",
-        verbose=False,
-        input_signature=None,
+        filepath: str | os.PathLike,
+        format: str = "tf_saved_model",
+        verbose: bool = False,
+        input_signature: Any = None,
         certainty_threshold: float | None = None,
-        calibrator=None,
-        **kwargs,
-    ):
+        calibrator: CertaintyCalibrator | None = None,
+        **kwargs: Any,
+    ) -> None:
         """Exports a SavedModel for TF Serving (Keras's `Model.export`).
 
         With `format="tf_saved_model"` (the default) the `serving_default`
@@ -472,7 +481,7 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
 
     # -------------------------------------------------------- serialization
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {
             "name": self.name,
             "trainable": self.trainable,
@@ -489,7 +498,9 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
         }
 
     @classmethod
-    def from_config(cls, config, custom_objects=None):
+    def from_config(
+        cls, config: dict[str, Any], custom_objects: dict[str, Any] | None = None
+    ) -> DUQModel:
         config = dict(config)
         feature_extractor = keras.saving.deserialize_keras_object(
             config.pop("feature_extractor"), custom_objects=custom_objects

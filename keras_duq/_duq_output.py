@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import keras
 from keras import ops
 
 from keras_duq import _ops
 from keras_duq import _trainer
+from keras_duq._typing import Tensor
 from keras_duq._validation import check_int
 
 DEFAULT_KERNEL_INITIALIZER = "he_normal"
@@ -122,11 +125,13 @@ class DUQOutput(keras.layers.Layer):
         centroid_dims: int | None = None,
         length_scale: float = 0.1,
         momentum: float = 0.999,
-        kernel_initializer=DEFAULT_KERNEL_INITIALIZER,
+        kernel_initializer: str | keras.initializers.Initializer = (
+            DEFAULT_KERNEL_INITIALIZER
+        ),
         trainable_length_scale: bool = False,
         bias_correction: bool = False,
-        **kwargs,
-    ):
+        **kwargs: Any,
+    ) -> None:
         dtype = kwargs.pop("dtype", None)
         if dtype is not None:
             policy = keras.dtype_policies.get(dtype)
@@ -160,7 +165,7 @@ class DUQOutput(keras.layers.Layer):
         self.bias_correction = bool(bias_correction)
         self.input_spec = keras.layers.InputSpec(ndim=2)
 
-    def build(self, input_shape):
+    def build(self, input_shape: tuple) -> None:
         if len(input_shape) != 2 or input_shape[-1] is None:
             raise ValueError(
                 "DUQOutput expects features of shape (batch_size, features) "
@@ -208,11 +213,11 @@ class DUQOutput(keras.layers.Layer):
         self.input_spec = keras.layers.InputSpec(ndim=2, axes={-1: features})
 
     @property
-    def centroids(self):
+    def centroids(self) -> Tensor:
         """The current centroids `e_c`, shape `(centroid_dims, num_classes)`."""
         return _ops.centroids(self.centroid_counts, self.centroid_sums)
 
-    def embed(self, features):
+    def embed(self, features: Tensor) -> Tensor:
         """Projects features with every `W_c`: `(batch, centroid_dims, classes)`."""
         features = ops.cast(features, "float32")
         projected = ops.matmul(features, self.kernel)
@@ -220,7 +225,7 @@ class DUQOutput(keras.layers.Layer):
             projected, (-1, self._resolved_centroid_dims, self.num_classes)
         )
 
-    def log_kernel_values(self, features):
+    def log_kernel_values(self, features: Tensor) -> Tensor:
         """`log K_c` for every class: `(batch, num_classes)`, all `<= 0`.
 
         Prefer this to `log(layer(features))`: kernel values underflow to
@@ -229,10 +234,10 @@ class DUQOutput(keras.layers.Layer):
         distances = _ops.squared_distances(self.embed(features), self.centroids)
         return _ops.log_kernel_values(distances, self.length_scales)
 
-    def call(self, inputs):
+    def call(self, inputs: Tensor) -> Tensor:
         return ops.exp(self.log_kernel_values(inputs))
 
-    def update_centroids(self, features, labels_one_hot):
+    def update_centroids(self, features: Tensor, labels_one_hot: Tensor) -> None:
         """One moving-average step of the centroid state on a batch.
 
         `DUQModel`'s training step does this once per step; call it yourself
@@ -256,10 +261,10 @@ class DUQOutput(keras.layers.Layer):
         self.centroid_counts.assign(counts)
         self.centroid_sums.assign(sums)
 
-    def compute_output_shape(self, input_shape):
+    def compute_output_shape(self, input_shape: tuple) -> tuple:
         return (input_shape[0], self.num_classes)
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         config = super().get_config()
         config.pop("dtype", None)
         config.update(
