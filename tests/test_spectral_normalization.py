@@ -364,9 +364,8 @@ import keras
 import keras_duq
 from keras_duq import _compat
 from tests.test_spectral_normalization import (
-
     _CONVOLUTIONS, _assert_transpose_is_adjoint, _cnn_backbone, _dense_model, _images,
-    _operator_norm, _train_calls, _wrappers,
+    _np, _operator_norm, _train_calls, _wrappers,
 )
 
 assert keras.backend.backend() == "jax"
