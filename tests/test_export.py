@@ -1,9 +1,9 @@
 """DUQModel.export: the serving signature from each backend, `accept`, option checks, ONNX.
 
-The tests that export are backend-neutral and run on the backend of the
-session; `test_export_from_jax` and `test_export_from_torch` run them again
-in a pytest process started with `KERAS_BACKEND=jax` (or `torch`). Every
-SavedModel is loaded in a separate process that imports TensorFlow only.
+The tests that export are backend-neutral and run under the suite's backend
+(`KERAS_BACKEND=jax python -m pytest -q tests/test_export.py` for JAX; CI runs
+all three). Every SavedModel is loaded in a separate process that imports
+TensorFlow only.
 """
 
 import json
@@ -98,29 +98,6 @@ def _trained_model():
         model.compile(optimizer=keras.optimizers.SGD(0.05))
         model.fit(x, y, epochs=1, verbose=0)
     return model, x, y
-
-
-def _run_pytest_under(backend, test_names):
-    env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            __file__,
-            "-k",
-            " or ".join(test_names),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=os.path.dirname(os.path.dirname(__file__)),
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    return result.stdout
 
 
 # ------------------------------------------------- the serving signature
@@ -237,23 +214,6 @@ def test_export_signature_shapes_and_quiet_export(tmp_path, capfd):
     assert list(serve.structured_input_signature[1]) == ["features"]
 
 
-@pytest.mark.skipif(
-    BACKEND != "tensorflow", reason="runs the JAX export in a subprocess"
-)
-def test_export_from_jax():
-    pytest.importorskip("jax")
-    printed = _run_pytest_under(
-        "jax",
-        [
-            "tensorflow_alone",
-            "unknown_option",
-            "threshold_is_checked",
-            "unfitted_calibrator",
-        ],
-    )
-    assert "passed" in printed and "skipped" not in printed, printed
-
-
 # ---------------------------------------------------------- PyTorch
 
 
@@ -266,17 +226,6 @@ def test_export_on_torch_says_how(tmp_path):
     ):
         model.export(str(path))
     assert not path.exists()
-
-
-@pytest.mark.skipif(
-    BACKEND != "tensorflow", reason="runs the PyTorch check in a subprocess"
-)
-def test_export_from_torch():
-    pytest.importorskip("torch")
-    printed = _run_pytest_under(
-        "torch", ["says_how", "unknown_option", "threshold_is_checked"]
-    )
-    assert "passed" in printed and "skipped" not in printed, printed
 
 
 # -------------------------------------------------- options are checked
