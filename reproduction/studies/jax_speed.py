@@ -1,11 +1,12 @@
-"""Training step time on Keras's JAX backend: softmax, DUQ and DUQ with the penalty.
+"""Training step time on Keras's JAX or PyTorch backend: softmax, DUQ and DUQ with the penalty.
 
 Times `model.fit` steps at batch 128 on random data, side by side in one
 run, for the paper's FashionMNIST CNN and the CIFAR-10 ResNet-18 (pick with
 `--networks`), in float32 and `mixed_bfloat16`. Needs no TensorFlow (for GPU
-machines with JAX only), and runs on a CPU too:
+machines with JAX or PyTorch only), and runs on a CPU too:
 
     KERAS_BACKEND=jax python -m reproduction.studies.jax_speed --output jax_speed.json
+    KERAS_BACKEND=torch python -m reproduction.studies.jax_speed --output torch_speed.json
     KERAS_BACKEND=jax python -m reproduction.studies.jax_speed --networks cifar_resnet18 --steps 50
 
 A step time is the wall time of one `fit` call of `--steps` steps divided by
@@ -13,9 +14,9 @@ the steps, after a compiling call; the median of `--repeats` calls. It
 includes Keras's per-step overhead, as a user's `fit` does. Inference is
 the median time of `predict_on_batch` on 1000 images. `--output` is
 rewritten after every model, so a run stopped early keeps what it measured.
-On GPUs, set `--matmul-precision highest` to keep JAX from using TF32 in
-float32 (for a like-for-like comparison with a PyTorch float32 run without
-TF32).
+On GPUs, set `--matmul-precision highest` to keep JAX (or PyTorch's
+matmuls and cuDNN convolutions) from using TF32 in float32, for a
+like-for-like comparison with a float32 run without TF32.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from pathlib import Path
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
-import jax  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -59,7 +59,14 @@ def cifar_resnet18():
         # reproduction/cifar10.py imports TensorFlow for its tf.data pipeline;
         # its ResNet-18 is plain Keras, so a machine with JAX only can build it.
         sys.modules["tensorflow"] = types.ModuleType("tensorflow")
-    return _example("cifar10").build_resnet18(), (32, 32, 3), 512
+        try:
+            module = _example("cifar10")
+        finally:
+            # Keras's data adapters look for TensorFlow in `sys.modules`.
+            del sys.modules["tensorflow"]
+    else:
+        module = _example("cifar10")
+    return module.build_resnet18(), (32, 32, 3), 512
 
 
 NETWORKS = {"fashion_mnist_cnn": fashion_mnist_cnn, "cifar_resnet18": cifar_resnet18}
@@ -85,6 +92,48 @@ def build(kind, make_backbone):
     return model, shape
 
 
+def block_until_ready(value):
+    """Waits for the device: GPU calls return before their work is done."""
+    if keras.backend.backend() == "jax":
+        import jax
+
+        return jax.block_until_ready(value)
+    if keras.backend.backend() == "torch":
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    return value
+
+
+def set_matmul_precision(precision):
+    if keras.backend.backend() == "jax":
+        import jax
+
+        jax.config.update("jax_default_matmul_precision", precision)
+    elif keras.backend.backend() == "torch":
+        import torch
+
+        tf32 = precision != "highest"
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
+
+
+def devices():
+    if keras.backend.backend() == "jax":
+        import jax
+
+        return [str(d) for d in jax.devices()], {"jax": jax.__version__}
+    if keras.backend.backend() == "torch":
+        import torch
+
+        names = [
+            torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())
+        ]
+        return names or ["cpu"], {"torch": torch.__version__}
+    return [keras.backend.backend()], {}
+
+
 def time_steps(model, shape, batch_size, steps, repeats):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(batch_size * steps,) + shape).astype("float32")
@@ -99,7 +148,7 @@ def time_steps(model, shape, batch_size, steps, repeats):
         start = time.perf_counter()
         model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0)
         for variable in model.trainable_variables[:1]:
-            jax.block_until_ready(variable.value)
+            block_until_ready(variable.value)
         times.append((time.perf_counter() - start) / steps * 1000.0)
     return statistics.median(times), times, first_fit_s
 
@@ -107,11 +156,11 @@ def time_steps(model, shape, batch_size, steps, repeats):
 def time_inference(model, shape, batch_size=1000, repeats=5):
     """Median ms of `predict_on_batch` on one batch of `batch_size`, after a compiling call."""
     x = np.random.default_rng(1).normal(size=(batch_size,) + shape).astype("float32")
-    jax.block_until_ready(model.predict_on_batch(x))
+    block_until_ready(model.predict_on_batch(x))
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        jax.block_until_ready(model.predict_on_batch(x))
+        block_until_ready(model.predict_on_batch(x))
         times.append((time.perf_counter() - start) * 1000.0)
     return statistics.median(times)
 
@@ -125,18 +174,20 @@ def main(argv=None):
         "--networks", nargs="+", default=["fashion_mnist_cnn"], choices=sorted(NETWORKS)
     )
     parser.add_argument("--policies", nargs="+", default=["float32", "mixed_bfloat16"])
+    parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
     parser.add_argument(
         "--matmul-precision", default=None, choices=(None, "highest", "default")
     )
     parser.add_argument("--output", default=None)
     args = parser.parse_args(argv)
     if args.matmul_precision:
-        jax.config.update("jax_default_matmul_precision", args.matmul_precision)
+        set_matmul_precision(args.matmul_precision)
+    names, versions = devices()
     report = {
         "backend": keras.backend.backend(),
-        "devices": [str(d) for d in jax.devices()],
+        "devices": names,
         "machine": platform.processor() or platform.machine(),
-        "jax": jax.__version__,
+        **versions,
         "keras": keras.__version__,
         "batch_size": args.batch_size,
         "steps": args.steps,
@@ -148,7 +199,7 @@ def main(argv=None):
         for policy in args.policies:
             keras.mixed_precision.set_global_policy(policy)
             row = report["ms_per_step"][f"{network}/{policy}"] = {}
-            for kind in KINDS:
+            for kind in args.kinds:
                 keras.utils.set_random_seed(0)
                 model, shape = build(kind, make_backbone)
                 median, times, first_fit_s = time_steps(
@@ -168,9 +219,10 @@ def main(argv=None):
                     flush=True,
                 )
                 write(report, args.output)
-            row["penalty_over_softmax"] = round(
-                row["duq_penalty"]["median"] / row["softmax"]["median"], 3
-            )
+            if "duq_penalty" in row and "softmax" in row:
+                row["penalty_over_softmax"] = round(
+                    row["duq_penalty"]["median"] / row["softmax"]["median"], 3
+                )
             write(report, args.output)
             keras.mixed_precision.set_global_policy("float32")
     print(json.dumps(report, indent=1))
