@@ -88,6 +88,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--length-scale", type=float, default=0.1)
     parser.add_argument(
+        "--spectral-normalization",
+        type=float,
+        default=None,
+        metavar="COEFFICIENT",
+        help="DUQ: wrap the backbone's convolutions and dense layer with "
+        "keras_duq.spectral_normalize(backbone, coefficient=COEFFICIENT)",
+    )
+    parser.add_argument(
         "--bias-correction",
         action=argparse.BooleanOptionalAction,
         default=False,
@@ -290,8 +298,13 @@ def make_optimizer(steps_per_epoch: int, epochs: int) -> keras.optimizers.SGD:
 
 def build_duq_model(args, steps_per_epoch: int) -> keras_duq.DUQModel:
     """DUQ on the paper's backbone, compiled. Weight decay is built in."""
+    backbone = build_backbone()
+    if args.spectral_normalization:
+        backbone = keras_duq.spectral_normalize(
+            backbone, coefficient=args.spectral_normalization
+        )
     model = keras_duq.wrap(
-        build_backbone(),
+        backbone,
         NUM_CLASSES,
         centroid_dims=256,
         length_scale=args.length_scale,
