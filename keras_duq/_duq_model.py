@@ -235,7 +235,7 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
         # saved model.
         self.__dict__["_probed_feature_extractor"] = (
             _penalty_input.probed_copy(feature_extractor, penalty_path)
-            if penalty_input is not None and gradient_penalty > 0
+            if penalty_input is not None
             else None
         )
         self.feature_extractor = feature_extractor

@@ -66,7 +66,7 @@ def _gradient(function, z):
 
 
 def _penalty_by_hand(model, x):
-    """Mean two-sided penalty `(||d sum_c K_c / dz|| - 1)^2`, z the embeddings."""
+    """Mean two-sided penalty `(||d sum_c K_c / dz|| - 1)^2`, z the embeddings, and the norms."""
     backbone = model.feature_extractor.layers[-1]
     embedding, pooling, dense = (
         backbone.get_layer(name) for name in ("embedding", "pooling", "dense")
@@ -80,7 +80,7 @@ def _penalty_by_hand(model, x):
     z = embedding(ops.convert_to_tensor(x))
     gradient = ops.convert_to_numpy(_gradient(kernel_sum, z))
     norms = np.sqrt((gradient.reshape(len(x), -1).astype("float64") ** 2).sum(-1))
-    return float(np.mean((norms - 1.0) ** 2))
+    return float(np.mean((norms - 1.0) ** 2)), norms
 
 
 def test_penalty_matches_the_gradient_with_respect_to_the_embeddings():
@@ -91,8 +91,9 @@ def test_penalty_matches_the_gradient_with_respect_to_the_embeddings():
     # those of the initialisation.
     model.fit(x, y, epochs=2, batch_size=8, verbose=0)
     logs = model.evaluate(x, y, batch_size=len(x), verbose=0, return_dict=True)
-    expected = _penalty_by_hand(model, x)
-    assert 1e-3 < expected
+    expected, norms = _penalty_by_hand(model, x)
+    # Not the trivial case of a zero gradient (penalty 1 whatever the layer).
+    assert norms.mean() > 0.01, norms
     np.testing.assert_allclose(logs["gradient_penalty"], expected, rtol=1e-5, atol=1e-6)
 
 
@@ -244,3 +245,63 @@ def test_mixed_float16_step_matches_float32(policy):
         logs["float32"]["gradient_penalty"],
         rtol=1e-2,
     )
+
+
+_MIRRORED_SCRIPT = """
+import json
+import sys
+import numpy as np
+import tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(
+    cpu, [tf.config.LogicalDeviceConfiguration()] * 2
+)
+import keras
+sys.path.insert(0, sys.argv[1])
+from test_penalty_input import _model, _tokens
+
+def build():
+    model = _model(health_checks=False)
+    model.compile(optimizer=keras.optimizers.SGD(0.1))
+    return model
+
+x, y = _tokens(n=16)
+single = build()
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+with strategy.scope():
+    mirrored = build()
+for weight, other in zip(mirrored.weights, single.weights):
+    weight.assign(other.numpy())
+logs = [
+    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
+    for model in (single, mirrored)
+]
+print(json.dumps({
+    "penalties": [log["gradient_penalty"] for log in logs],
+    "difference": max(
+        float(np.abs(a.numpy() - b.numpy()).max())
+        for a, b in zip(single.weights, mirrored.weights)
+    ),
+}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.requires_backend("tensorflow")  # tf.distribute
+def test_mirrored_strategy_matches_one_device(tmp_path):
+    # The replicas run their steps in threads of their own, each with its
+    # own probe. Two logical CPUs must be configured before TensorFlow
+    # starts: a fresh process.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "mirrored.py"
+    script.write_text(_MIRRORED_SCRIPT)
+    tests = str(Path(__file__).resolve().parent)
+    result = subprocess.run(
+        [sys.executable, str(script), tests], capture_output=True, text=True, check=True
+    )
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    np.testing.assert_allclose(*report["penalties"], rtol=1e-5)
+    assert report["difference"] < 1e-5
