@@ -3,11 +3,10 @@ Title: Text classification with DUQ: movie reviews and token ids
 Description: Train a DUQ classifier of IMDB reviews on word embeddings, with
 the gradient penalty taken with respect to the embeddings.
 
-DUQ's gradient penalty keeps the certainty sensitive to the input: it asks
-that the sum of kernel values change with the input, neither too fast nor too
-slowly. A text model's input is token ids, integers that cannot be
-differentiated; its first layer, a `keras.layers.Embedding`, turns them into
-vectors that can. `keras_duq.wrap(backbone, ..., penalty_input="embedding")`
+DUQ's gradient penalty asks that the sum of kernel values change with the
+input, neither too fast nor too slowly. A text model's input is token ids,
+integers that cannot be differentiated; its `keras.layers.Embedding` turns
+them into vectors that can. `keras_duq.wrap(..., penalty_input="embedding")`
 takes the penalty with respect to the output of the layer named `embedding`.
 
     python examples/text_classification.py           # 5 epochs, 25,000 reviews
@@ -57,10 +56,7 @@ keras.utils.set_random_seed(0)
 # vocabulary, 0 for the padding after the review's end.
 
 train, test = tfds.load(
-    "imdb_reviews",
-    split=["train", "test"],
-    as_supervised=True,
-    data_dir=args.data_dir,
+    "imdb_reviews", split=["train", "test"], as_supervised=True, data_dir=args.data_dir
 )
 if args.quick:
     train, test = train.take(256), test.take(256)
@@ -74,7 +70,8 @@ def to_ids(text, label):
     return vectorize(text), label
 
 
-train = train.shuffle(25_000, seed=0).batch(64).map(to_ids).cache().prefetch(2)
+# The reviews are cached as text and shuffled anew every epoch.
+train = train.cache().shuffle(25_000, seed=0).batch(64).map(to_ids).prefetch(2)
 test = test.batch(256).map(to_ids).cache()
 
 # ----------------------------------------------------------------------
@@ -131,11 +128,7 @@ metrics = {
     "certainty_wrong": float(certainty[~correct].mean()) if (~correct).any() else None,
     "certainty_random_words": float(gibberish_certainty.mean()),
 }
-print(
-    ", ".join(
-        f"{name} {value:.3f}" for name, value in metrics.items() if value is not None
-    )
-)
+print(", ".join(f"{n} {v:.3f}" for n, v in metrics.items() if v is not None))
 
 # ----------------------------------------------------------------------
 # In use
@@ -148,9 +141,8 @@ threshold = evaluation.certainty_threshold(certainty, keep=0.9)
 reviews = tf.constant(
     ["A wonderful film, I loved every minute.", "Dull and far too long."]
 )
-for review, values in zip(
-    reviews.numpy(), model.predict(vectorize(reviews), verbose=0)
-):
+predictions = model.predict(vectorize(reviews), verbose=0)
+for review, values in zip(reviews.numpy(), predictions):
     verdict = "positive" if values.argmax() == 1 else "negative"
     flag = "" if values.max() >= threshold else "  (uncertain: refer)"
     print(f"{verdict} ({values.max():.2f}){flag}: {review.decode()}")
