@@ -59,6 +59,18 @@ def wrap(
     certainty = kernel_values.max(axis=1)      # low: out of distribution
     ```
 
+    A text model, whose inputs are token ids, takes the penalty with
+    respect to its embeddings:
+
+    ```python
+    backbone = keras.Sequential([
+        keras.Input((256,), dtype="int32"),
+        keras.layers.Embedding(20_000, 64, mask_zero=True, name="embedding"),
+        keras.layers.GlobalAveragePooling1D(),
+    ])
+    model = keras_duq.wrap(backbone, num_classes=2, penalty_input="embedding")
+    ```
+
     Args:
         backbone: a Keras model or layer returning one tensor of shape
             `(batch, features)`: Sequential, functional, subclassed,
