@@ -14,6 +14,7 @@ from keras import ops
 from keras_duq import _compat
 from keras_duq import _health
 from keras_duq import _ops
+from keras_duq import _penalty_input
 from keras_duq._duq_output import DUQOutput
 from keras_duq._typing import Tensor
 from keras_duq._validation import check_non_negative
@@ -113,7 +114,9 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
     images) are cast to the declared dtype before the penalty's gradient is
     taken. Integer inputs (e.g. token ids for an `Embedding`) are left out of
     the penalty; at least one floating-point input is needed when the
-    penalty is on.
+    penalty is on, unless `penalty_input` names a layer: then the penalty is
+    on the gradient with respect to that layer's output (for text, the
+    embeddings) instead of the inputs.
 
     `compile(jit_compile=...)` works as for any Keras model (Keras's
     `"auto"`: XLA on GPUs, not on CPUs). On TensorFlow with XLA on, the
@@ -181,6 +184,14 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
             their class or overlap, a constant penalty) and warn once per
             cause with a `keras_duq.DUQHealthWarning` (see
             `keras_duq.callbacks.HealthCheck`). Defaults to `True`.
+        penalty_input: `None` (default) or the name of a layer of the
+            feature extractor (also inside a nested Sequential or functional
+            backbone) with a floating-point output. The penalty is then on
+            `||grad_z sum_c K_c||_2` for `z` that layer's output (all its
+            outputs, if it is called more than once) instead of the inputs:
+            for a model of token ids, the `Embedding` layer, e.g.
+            `penalty_input="embedding"`. The model's predictions, saving
+            and export are unchanged. Saved with the model.
         **kwargs: base model keyword arguments such as `name`.
     """
 
@@ -194,6 +205,7 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
         weight_decay: float = DEFAULT_WEIGHT_DECAY,
         bce_epsilon: float = 0.0,
         health_checks: bool = True,
+        penalty_input: str | None = None,
         **kwargs: Any,
     ) -> None:
         check_non_negative("gradient_penalty", gradient_penalty)
@@ -210,17 +222,22 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
         feature_extractor = keras.Model(
             inputs, duq_output.input, name="feature_extractor"
         )
-        if gradient_penalty > 0 and not any(
+        if penalty_input is not None:
+            penalty_path = _penalty_input.find_layer(feature_extractor, penalty_input)
+        elif gradient_penalty > 0 and not any(
             is_float(t.dtype) for t in keras.tree.flatten(inputs)
         ):
-            raise ValueError(
-                "The gradient penalty is taken with respect to the model's "
-                "floating-point inputs, and this model has none (input "
-                f"dtypes: {[t.dtype for t in keras.tree.flatten(inputs)]}). "
-                "Declare a float input, e.g. `keras.Input(shape, "
-                "dtype='float32')`, or pass `gradient_penalty=0`."
-            )
+            raise ValueError(_no_float_input_message(inputs, feature_extractor))
         super().__init__(**kwargs)
+        self.penalty_input = penalty_input
+        # The penalty's forward pass runs this copy of the graph (sharing
+        # every layer), kept out of Keras's tracking: it is no part of the
+        # saved model.
+        self.__dict__["_probed_feature_extractor"] = (
+            _penalty_input.probed_copy(feature_extractor, penalty_path)
+            if penalty_input is not None
+            else None
+        )
         self.feature_extractor = feature_extractor
         self.duq_output = duq_output
         self.gradient_penalty = float(gradient_penalty)
@@ -495,6 +512,7 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
             "weight_decay": self.weight_decay,
             "bce_epsilon": self.bce_epsilon,
             "health_checks": self.health_checks,
+            "penalty_input": self.penalty_input,
         }
 
     @classmethod
@@ -510,6 +528,24 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
         )
         outputs = duq_output(feature_extractor.output)
         return cls(feature_extractor.input, outputs, **config)
+
+
+def _no_float_input_message(inputs, feature_extractor):
+    """The error for a model without float inputs whose penalty is on."""
+    embedding = _penalty_input.embedding_name(feature_extractor)
+    example = (
+        f"`penalty_input={embedding!r}` (this model's Embedding layer)"
+        if embedding is not None
+        else "`penalty_input='embedding'` (the name of the model's Embedding layer)"
+    )
+    return (
+        "The gradient penalty is taken with respect to the model's "
+        "floating-point inputs, and this model has none (input dtypes: "
+        f"{[t.dtype for t in keras.tree.flatten(inputs)]}). For token ids, "
+        "take it with respect to the output of a layer instead, e.g. "
+        f"{example}. Otherwise declare a float input, e.g. "
+        "`keras.Input(shape, dtype='float32')`, or pass `gradient_penalty=0`."
+    )
 
 
 def _arguments_for(method, name, args, kwargs, num_classes=None):

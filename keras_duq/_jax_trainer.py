@@ -58,8 +58,34 @@ class ErrorCode(keras.metrics.Metric):
         return self.code.value
 
 
-def _input_gradients(function, tensors):
+def _tensor_gradients(function, tensors):
     return jax.grad(function, has_aux=True)(tensors)
+
+
+def _probe_gradients(function):
+    """Gradients with respect to the zero probes of `function(probe)`.
+
+    `jax.grad` differentiates with respect to arguments, so the probes are
+    arguments, made after a trace without values (`jax.eval_shape`) that
+    finds their shapes.
+    """
+    shapes = []
+
+    def record(tensor):
+        shapes.append(jax.ShapeDtypeStruct(tensor.shape, tensor.dtype))
+        return tensor
+
+    jax.eval_shape(lambda: function(record))
+
+    def with_probes(probes):
+        remaining = iter(probes)
+        return function(lambda tensor: tensor + next(remaining))
+
+    probes = [jnp.zeros(shape.shape, shape.dtype) for shape in shapes]
+    return _tensor_gradients(with_probes, probes)
+
+
+_INPUT_GRADIENTS = _trainer.InputGradients(_tensor_gradients, _probe_gradients)
 
 
 class JAXTrainer(_trainer.Trainer):
@@ -79,7 +105,7 @@ class JAXTrainer(_trainer.Trainer):
                 total, (log_kernel, penalty, bce, new_non_trainable) = (
                     _trainer.objective(
                         self._forward(trainable, non_trainable, training=True),
-                        _input_gradients,
+                        _INPUT_GRADIENTS,
                         x,
                         labels_one_hot,
                         sample_weight,
@@ -171,7 +197,7 @@ class JAXTrainer(_trainer.Trainer):
         x, labels_one_hot, sample_weight, code = self._check_batch(x, y, sample_weight)
         total, (log_kernel, penalty, bce, _) = _trainer.objective(
             self._forward(trainable, non_trainable, training=False),
-            _input_gradients,
+            _INPUT_GRADIENTS,
             x,
             labels_one_hot,
             sample_weight,
@@ -272,9 +298,9 @@ class JAXTrainer(_trainer.Trainer):
         """`x -> (log_kernel, new non-trainable values)`, statelessly."""
         mapping = self._variable_mapping(trainable, non_trainable)
 
-        def forward(x):
+        def forward(x, probe=None):
             with keras.StatelessScope(state_mapping=mapping) as scope:
-                log_kernel = self._log_kernel(x, training)
+                log_kernel = self._log_kernel(x, training, probe)
             return log_kernel, [
                 _current(scope, variable, value)
                 for variable, value in zip(self.non_trainable_variables, non_trainable)

@@ -174,9 +174,10 @@ def gradient_norms(gradients: Iterable[Tensor | None]) -> Tensor:
     if squared is None:
         raise ValueError(
             "The gradient penalty needs the kernel values to depend on at "
-            "least one floating-point input, but no input received a "
-            "gradient. Check that the backbone uses its inputs, or pass "
-            "`gradient_penalty=0` to train without the penalty."
+            "least one floating-point input (or on the output of the "
+            "`penalty_input` layer), but none received a gradient. Check "
+            "that the backbone uses them, or pass `gradient_penalty=0` to "
+            "train without the penalty."
         )
     positive = squared > 0.0
     # Double `where`: sqrt is only differentiated where its argument is > 0.

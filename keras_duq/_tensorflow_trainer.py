@@ -26,6 +26,8 @@ them: XLA drops assertion ops without a word.
 
 from __future__ import annotations
 
+import contextlib
+
 import keras
 import tensorflow as tf
 from keras import ops
@@ -38,15 +40,39 @@ from keras_duq._validation import NON_FINITE_CENTROID_MESSAGE
 from keras_duq._validation import NON_FINITE_STEP_MESSAGE
 
 
-def _input_gradients(function, tensors):
+def _tensor_gradients(function, tensors):
     """Gradients of `function(tensors)[0]`, themselves differentiable (nested tape)."""
+    with _nested_tape() as tape:
+        tape.watch(tensors)
+        value, aux = function(tensors)
+    return tape.gradient(value, tensors), aux
+
+
+def _probe_gradients(function):
+    """Gradients with respect to the zero probes of `function(probe)` (nested tape)."""
+    probes = []
+
+    def probe(tensor):
+        zeros = tf.zeros_like(tensor)
+        tape.watch(zeros)
+        probes.append(zeros)
+        return tensor + zeros
+
+    with _nested_tape() as tape:
+        value, aux = function(probe)
+    return tape.gradient(value, probes), aux
+
+
+@contextlib.contextmanager
+def _nested_tape():
     with (
         tf.GradientTape(watch_accessed_variables=False) as tape,
         _moments.second_order_moments(),
     ):
-        tape.watch(tensors)
-        value, aux = function(tensors)
-    return tape.gradient(value, tensors), aux
+        yield tape
+
+
+_INPUT_GRADIENTS = _trainer.InputGradients(_tensor_gradients, _probe_gradients)
 
 
 class TensorFlowTrainer(_trainer.Trainer):
@@ -64,7 +90,7 @@ class TensorFlowTrainer(_trainer.Trainer):
             with tf.GradientTape() as tape:
                 total, (log_kernel, penalty, bce, _) = _trainer.objective(
                     self._forward(training=True),
-                    _input_gradients,
+                    _INPUT_GRADIENTS,
                     x,
                     labels_one_hot,
                     sample_weight,
@@ -152,7 +178,7 @@ class TensorFlowTrainer(_trainer.Trainer):
         def losses(x, labels_one_hot, sample_weight):
             total, (log_kernel, penalty, bce, _) = _trainer.objective(
                 self._forward(training=False),
-                _input_gradients,
+                _INPUT_GRADIENTS,
                 x,
                 labels_one_hot,
                 sample_weight,
@@ -210,7 +236,7 @@ class TensorFlowTrainer(_trainer.Trainer):
         return labels_to_one_hot(y, self.num_classes)
 
     def _forward(self, training):
-        return lambda x: (self._log_kernel(x, training), None)
+        return lambda x, probe=None: (self._log_kernel(x, training, probe), None)
 
     def _log_kernel_and_penalty(self, x, training, with_penalty=True):
         """Forward pass; with the penalty on, also the per-example penalty."""
@@ -218,10 +244,11 @@ class TensorFlowTrainer(_trainer.Trainer):
             return self._log_kernel(x, training), None
         log_kernel, penalty, _ = _trainer.log_kernel_and_penalty(
             self._forward(training),
-            _input_gradients,
+            _INPUT_GRADIENTS,
             x,
             self.penalty,
             self._input_gradient_scale(),
+            self.penalty_input is not None,
         )
         return log_kernel, penalty
 

@@ -28,15 +28,35 @@ import torch
 from keras_duq import _trainer
 
 
-def _input_gradients(function, tensors):
+def _tensor_gradients(function, tensors):
     """Gradients of `function(tensors)[0]` that are themselves differentiable."""
     tensors = [t.detach().requires_grad_(True) for t in tensors]
+    return _differentiable_gradients(lambda: function(tensors), tensors)
+
+
+def _probe_gradients(function):
+    """Gradients with respect to the zero probes of `function(probe)`."""
+    probes = []
+
+    def probe(tensor):
+        zeros = torch.zeros_like(tensor, requires_grad=True)
+        probes.append(zeros)
+        return tensor + zeros
+
+    return _differentiable_gradients(lambda: function(probe), probes)
+
+
+def _differentiable_gradients(function, tensors):
+    """`function()`'s value differentiated with respect to `tensors` (filled by then)."""
     with torch.enable_grad():
-        value, aux = function(tensors)
+        value, aux = function()
         gradients = torch.autograd.grad(
             value, tensors, create_graph=True, allow_unused=True
         )
     return list(gradients), aux
+
+
+_INPUT_GRADIENTS = _trainer.InputGradients(_tensor_gradients, _probe_gradients)
 
 
 class TorchTrainer(_trainer.Trainer):
@@ -55,7 +75,7 @@ class TorchTrainer(_trainer.Trainer):
         with torch.enable_grad():
             total, (log_kernel, penalty, bce, _) = _trainer.objective(
                 self._forward(training=True),
-                _input_gradients,
+                _INPUT_GRADIENTS,
                 x,
                 labels_one_hot,
                 sample_weight,
@@ -107,7 +127,7 @@ class TorchTrainer(_trainer.Trainer):
         x, labels_one_hot, sample_weight, _ = self._checked_batch(x, y, sample_weight)
         total, (log_kernel, penalty, bce, _) = _trainer.objective(
             self._forward(training=False),
-            _input_gradients,
+            _INPUT_GRADIENTS,
             x,
             labels_one_hot,
             sample_weight,
@@ -147,7 +167,7 @@ class TorchTrainer(_trainer.Trainer):
         return checked
 
     def _forward(self, training):
-        return lambda x: (self._log_kernel(x, training), None)
+        return lambda x, probe=None: (self._log_kernel(x, training, probe), None)
 
     def _input_gradient_scale(self):
         if not self._uses_loss_scale():

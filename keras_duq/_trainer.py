@@ -7,7 +7,8 @@ Every backend's step is the same computation, written once here:
 - `objective`: one stateless function from the inputs to the objective
   (kernel values, cross-entropy, the penalty's input gradient, coupled L2
   weight decay), given the backend's forward pass and its way to take the
-  penalty's input gradient (`GradientTape`, `jax.grad`, `torch.autograd`);
+  penalty's input gradient (`InputGradients`: `GradientTape`, `jax.grad`,
+  `torch.autograd`);
 - `centroid_update`: the centroid state after one batch, and whether it is
   finite.
 
@@ -23,12 +24,14 @@ the error names the cause.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import keras
 from keras import ops
 
 from keras_duq import _compat
 from keras_duq import _ops
+from keras_duq import _penalty_input
 from keras_duq._validation import FRACTIONAL_LABEL_MESSAGE
 from keras_duq._validation import NON_FINITE_CENTROID_MESSAGE
 from keras_duq._validation import NON_FINITE_INPUT_MESSAGE
@@ -65,6 +68,30 @@ class ObjectiveSettings:
     penalty_weight: float
     weight_decay: float
     bce_epsilon: float
+    # The penalty is taken with respect to the output of the layer the
+    # model's `penalty_input` names, instead of the float inputs.
+    penalty_input: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class InputGradients:
+    """A backend's way to take the penalty's input gradient (nested differentiation).
+
+    Both return gradients that are themselves differentiable, and
+    `function`'s auxiliary output.
+
+    - `of_tensors(function, tensors) -> (gradients, aux)`: the gradient of
+      `function(tensors) -> (scalar, aux)` with respect to `tensors`.
+    - `of_probes(function) -> (gradients, aux)`: `function(probe) ->
+      (scalar, aux)` runs a forward pass in which each tensor to
+      differentiate passes through `probe(tensor)`, which returns
+      `tensor + p` for a zero tensor `p` of its shape; the gradients are
+      with respect to each `p` (equal to those with respect to the tensors),
+      in the order of the calls.
+    """
+
+    of_tensors: Callable
+    of_probes: Callable
 
 
 # ------------------------------------------------------------ batch check
@@ -131,15 +158,14 @@ def objective(
     """The DUQ objective of one batch, statelessly: `(objective, aux)`.
 
     Args:
-        forward: `forward(x) -> (log_kernel, state)`: the model's forward
-            pass; `state` is whatever the backend needs back from it (the
-            layers' new non-trainable values on JAX).
-        input_gradients: `input_gradients(function, tensors) ->
-            (gradients, aux)`: the gradient of `function(tensors) -> (scalar,
-            aux)` with respect to `tensors`, itself differentiable (nested
-            differentiation).
-        x: standardised inputs; the penalty is taken with respect to the
-            floating-point ones.
+        forward: `forward(x, probe=None) -> (log_kernel, state)`: the
+            model's forward pass; `state` is whatever the backend needs back
+            from it (the layers' new non-trainable values on JAX). With a
+            `probe`, the outputs of the model's `penalty_input` layer pass
+            through it (see `InputGradients`).
+        input_gradients: the backend's `InputGradients`.
+        x: standardised inputs; without `settings.penalty_input`, the
+            penalty is taken with respect to the floating-point ones.
         labels_one_hot, sample_weight: from `check_batch`.
         weights: the trainable weights (or their values), for weight decay.
         settings: `ObjectiveSettings`.
@@ -161,7 +187,12 @@ def objective(
         penalty = None
     else:
         log_kernel, penalty, state = log_kernel_and_penalty(
-            forward, input_gradients, x, settings.penalty, scale
+            forward,
+            input_gradients,
+            x,
+            settings.penalty,
+            scale,
+            settings.penalty_input,
         )
     loss, bce = _ops.duq_loss(
         log_kernel,
@@ -175,24 +206,39 @@ def objective(
     return total, (log_kernel, penalty, bce, state)
 
 
-def log_kernel_and_penalty(forward, input_gradients, x, penalty, scale=None):
-    """`(log_kernel, per-example penalty, state)`: `objective`'s forward pass."""
-    flat = keras.tree.flatten(x)
-    positions = [i for i, t in enumerate(flat) if is_float(t.dtype)]
+def log_kernel_and_penalty(
+    forward, input_gradients, x, penalty, scale=None, penalty_input=False
+):
+    """`(log_kernel, per-example penalty, state)`: `objective`'s forward pass.
 
-    def kernel_sum(float_inputs):
-        values = list(flat)
-        for position, value in zip(positions, float_inputs):
-            values[position] = value
-        log_kernel, state = forward(keras.tree.pack_sequence_as(x, values))
+    The gradient is that of `sum_c K_c` with respect to the float inputs,
+    or, with `penalty_input`, to the outputs of the model's `penalty_input`
+    layer.
+    """
+
+    def kernel_sum(log_kernel, state):
         total = ops.sum(ops.exp(log_kernel))
         if scale is not None:
             total = total * scale
         return total, (log_kernel, state)
 
-    gradients, (log_kernel, state) = input_gradients(
-        kernel_sum, [flat[i] for i in positions]
-    )
+    if penalty_input:
+        gradients, (log_kernel, state) = input_gradients.of_probes(
+            lambda probe: kernel_sum(*forward(x, probe))
+        )
+    else:
+        flat = keras.tree.flatten(x)
+        positions = [i for i, t in enumerate(flat) if is_float(t.dtype)]
+
+        def of_float_inputs(float_inputs):
+            values = list(flat)
+            for position, value in zip(positions, float_inputs):
+                values[position] = value
+            return kernel_sum(*forward(keras.tree.pack_sequence_as(x, values)))
+
+        gradients, (log_kernel, state) = input_gradients.of_tensors(
+            of_float_inputs, [flat[i] for i in positions]
+        )
     if scale is not None:
         gradients = [
             None if g is None else ops.cast(g, "float32") / scale for g in gradients
@@ -267,6 +313,7 @@ class Trainer:
             penalty_weight=weight,
             weight_decay=self.weight_decay,
             bce_epsilon=self.bce_epsilon,
+            penalty_input=self.penalty_input is not None,
         )
 
     def _check_batch(self, x, y, sample_weight):
@@ -285,9 +332,18 @@ class Trainer:
     def _labels_to_one_hot(self, y):
         return labels_to_one_hot(y, self.num_classes)
 
-    def _log_kernel(self, x, training):
-        """The forward pass: log kernel values `(batch, num_classes)`."""
-        features = self.feature_extractor(x, training=training)
+    def _log_kernel(self, x, training, probe=None):
+        """The forward pass: log kernel values `(batch, num_classes)`.
+
+        With a `probe` (see `InputGradients`), the outputs of the
+        `penalty_input` layer pass through it, in the copy of the feature
+        extractor's graph that probes them.
+        """
+        if probe is None:
+            features = self.feature_extractor(x, training=training)
+        else:
+            with _penalty_input.probing(probe):
+                features = self._probed_feature_extractor(x, training=training)
         return self.duq_output.log_kernel_values(features)
 
     def _layer_state(self):

@@ -32,6 +32,7 @@ def wrap(
     trainable_length_scale: bool = False,
     bias_correction: bool = False,
     health_checks: bool = True,
+    penalty_input: str | None = None,
     input_shape: Sequence[int | None] | None = None,
     name: str | None = None,
 ) -> DUQModel:
@@ -56,6 +57,18 @@ def wrap(
     kernel_values = model.predict(x_test)      # (batch, 10), in [0, 1]
     predictions = kernel_values.argmax(axis=1)
     certainty = kernel_values.max(axis=1)      # low: out of distribution
+    ```
+
+    A text model, whose inputs are token ids, takes the penalty with
+    respect to its embeddings:
+
+    ```python
+    backbone = keras.Sequential([
+        keras.Input((256,), dtype="int32"),
+        keras.layers.Embedding(20_000, 64, mask_zero=True, name="embedding"),
+        keras.layers.GlobalAveragePooling1D(),
+    ])
+    model = keras_duq.wrap(backbone, num_classes=2, penalty_input="embedding")
     ```
 
     Args:
@@ -90,6 +103,11 @@ def wrap(
             (once per cause, with a `keras_duq.DUQHealthWarning`) about
             DUQ's failure modes and log the numbers behind them (see
             `DUQModel`). Defaults to `True`.
+        penalty_input: name of a backbone layer, or `None` (default). With
+            a name, the gradient penalty is taken with respect to that
+            layer's output instead of the model's floating-point inputs:
+            for token ids, name the `Embedding` layer, e.g.
+            `penalty_input="embedding"` (see `DUQModel`).
         input_shape: tuple, the input shape without the batch dimension.
             Needed only when the backbone does not define its inputs (a
             subclassed model, or a Sequential model without `keras.Input`).
@@ -134,6 +152,7 @@ def wrap(
         weight_decay=weight_decay,
         bce_epsilon=bce_epsilon,
         health_checks=health_checks,
+        penalty_input=penalty_input,
         name=name,
     )
 

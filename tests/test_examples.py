@@ -11,6 +11,7 @@ import runpy
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -93,3 +94,15 @@ def test_cifar10_under_mock_data(tmp_path, monkeypatch):
     assert len(result["labels"]) == 64 and len(result["ood_certainty"]) == 64
     assert 0.0 <= result["metrics"]["auroc"] <= 1.0
     assert (tmp_path / "cifar10_vs_svhn.png").stat().st_size > 10_000
+
+
+@pytest.mark.requires_backend("tensorflow")  # tensorflow-datasets mock data
+def test_text_classification_under_mock_data(monkeypatch):
+    # No IMDB here: tfds serves random strings and labels in its place.
+    tfds = pytest.importorskip("tensorflow_datasets")
+    with tfds.testing.mock_data(num_examples=256):
+        result = run_example("text_classification.py", ["--quick"], monkeypatch)
+    assert result["model"].penalty_input == "embedding"
+    assert np.isfinite(result["history"].history["gradient_penalty"]).all()
+    assert 0.0 <= result["metrics"]["accuracy"] <= 1.0
+    assert len(result["certainty"]) == 256

@@ -1,0 +1,307 @@
+"""`penalty_input`: the gradient penalty with respect to a layer's output (token models).
+
+Runs on every backend (`KERAS_BACKEND=tensorflow|jax|torch`); the penalty
+computed by hand uses the backend's own automatic differentiation.
+"""
+
+import json
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+import keras_duq
+
+VOCABULARY, LENGTH, DIMS = 30, 6, 8
+
+
+def _backbone(mask_zero=True):
+    return keras.Sequential(
+        [
+            keras.Input((LENGTH,), dtype="int32"),
+            keras.layers.Embedding(
+                VOCABULARY, DIMS, mask_zero=mask_zero, name="embedding"
+            ),
+            keras.layers.GlobalAveragePooling1D(name="pooling"),
+            keras.layers.Dense(16, activation="tanh", name="dense"),
+        ]
+    )
+
+
+def _model(**kwargs):
+    kwargs = {"length_scale": 0.5, "gradient_penalty": 0.5, **kwargs}
+    return keras_duq.wrap(
+        _backbone(), num_classes=2, penalty_input="embedding", **kwargs
+    )
+
+
+def _tokens(n=32, seed=0):
+    """Token ids with padding (0) at the end, and labels from the first token."""
+    rng = np.random.default_rng(seed)
+    x = rng.integers(1, VOCABULARY, size=(n, LENGTH))
+    lengths = rng.integers(2, LENGTH + 1, size=n)
+    x[np.arange(LENGTH)[None, :] >= lengths[:, None]] = 0
+    return x.astype("int32"), (x[:, 0] > VOCABULARY // 2).astype("int32")
+
+
+def _gradient(function, z):
+    """d function(z) / dz with the backend's own automatic differentiation."""
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        with tf.GradientTape() as tape:
+            tape.watch(z)
+            value = function(z)
+        return tape.gradient(value, z)
+    if backend == "jax":
+        import jax
+
+        return jax.grad(function)(z)
+    import torch
+
+    z = z.detach().requires_grad_(True)
+    return torch.autograd.grad(function(z), z)[0]
+
+
+def _penalty_by_hand(model, x):
+    """Mean two-sided penalty `(||d sum_c K_c / dz|| - 1)^2`, z the embeddings, and the norms."""
+    backbone = model.feature_extractor.layers[-1]
+    embedding, pooling, dense = (
+        backbone.get_layer(name) for name in ("embedding", "pooling", "dense")
+    )
+    mask = ops.not_equal(x, 0)
+
+    def kernel_sum(z):
+        features = dense(pooling(z, mask=mask))
+        return ops.sum(ops.exp(model.duq_output.log_kernel_values(features)))
+
+    z = embedding(ops.convert_to_tensor(x))
+    gradient = ops.convert_to_numpy(_gradient(kernel_sum, z))
+    norms = np.sqrt((gradient.reshape(len(x), -1).astype("float64") ** 2).sum(-1))
+    return float(np.mean((norms - 1.0) ** 2)), norms
+
+
+def test_penalty_matches_the_gradient_with_respect_to_the_embeddings():
+    model = _model(health_checks=False)
+    model.compile(optimizer=keras.optimizers.SGD(0.05))
+    x, y = _tokens()
+    # A few steps first, so that the kernel values and the gradient are not
+    # those of the initialisation.
+    model.fit(x, y, epochs=2, batch_size=8, verbose=0)
+    logs = model.evaluate(x, y, batch_size=len(x), verbose=0, return_dict=True)
+    expected, norms = _penalty_by_hand(model, x)
+    # Not the trivial case of a zero gradient (penalty 1 whatever the layer).
+    assert norms.mean() > 0.01, norms
+    np.testing.assert_allclose(logs["gradient_penalty"], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_padding_mask_is_kept_in_the_penalty_pass():
+    # Padding (token 0) changes nothing where the mask is respected: the
+    # penalty of a batch equals that of the same tokens with more padding
+    # embedded differently (a different row 0 of the embedding matrix).
+    model = _model(health_checks=False)
+    model.compile(optimizer=keras.optimizers.SGD(0.05))
+    x, y = _tokens(n=16)
+    before = model.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
+    embedding = model.feature_extractor.layers[-1].get_layer("embedding")
+    table = ops.convert_to_numpy(embedding.embeddings).copy()
+    table[0] += 5.0
+    embedding.embeddings.assign(table)
+    after = model.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
+    np.testing.assert_allclose(
+        after["gradient_penalty"], before["gradient_penalty"], rtol=1e-5
+    )
+
+
+def test_token_model_trains_and_its_penalty_changes():
+    model = _model()
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9))
+    x, y = _tokens(n=64)
+    embeddings = ops.convert_to_numpy(model.trainable_weights[0]).copy()
+    history = model.fit(x, y, epochs=4, batch_size=16, verbose=0).history
+    penalties = history["gradient_penalty"]
+    assert np.isfinite(penalties).all()
+    # Not constant: the penalty moves the embeddings' gradient norm.
+    assert np.ptp(penalties) > 1e-3 * max(penalties), penalties
+    assert not np.allclose(ops.convert_to_numpy(model.trainable_weights[0]), embeddings)
+
+
+def _functional_model(**kwargs):
+    """The Embedding layer in the DUQ model's own graph, not in a nested backbone."""
+    tokens = keras.Input((LENGTH,), dtype="int32", name="tokens")
+    z = keras.layers.Embedding(VOCABULARY, DIMS, name="words")(tokens)
+    features = keras.layers.GlobalAveragePooling1D()(z)
+    outputs = keras_duq.DUQOutput(num_classes=2, length_scale=0.5)(features)
+    return keras_duq.DUQModel(tokens, outputs, penalty_input="words", **kwargs)
+
+
+@pytest.mark.parametrize("penalty_interval", [1, 2])
+def test_lazy_penalty_and_functional_model(penalty_interval):
+    model = _functional_model(penalty_interval=penalty_interval)
+    model.compile(optimizer=keras.optimizers.SGD(0.05))
+    x, y = _tokens()
+    history = model.fit(x, y, epochs=2, batch_size=8, verbose=0).history
+    assert np.isfinite(history["gradient_penalty"]).all()
+    assert model.predict(x, verbose=0).shape == (len(x), 2)
+
+
+@pytest.mark.parametrize("build", [_model, _functional_model])
+def test_keras_round_trip_keeps_penalty_input(build, tmp_path):
+    model = build()
+    model.compile(optimizer=keras.optimizers.SGD(0.05))
+    x, y = _tokens()
+    model.fit(x, y, epochs=1, batch_size=8, verbose=0)
+    path = tmp_path / "token.keras"
+    model.save(path)
+    restored = keras.models.load_model(path)
+    assert restored.penalty_input == model.penalty_input
+    assert json.dumps(restored.get_config()) == json.dumps(model.get_config())
+    # The training-only copy of the graph is not saved: the same weights.
+    assert len(restored.weights) == len(model.weights)
+    logs = model.evaluate(x, y, batch_size=len(x), verbose=0, return_dict=True)
+    restored_logs = restored.evaluate(
+        x, y, batch_size=len(x), verbose=0, return_dict=True
+    )
+    np.testing.assert_allclose(
+        restored_logs["gradient_penalty"], logs["gradient_penalty"], rtol=1e-6
+    )
+
+
+def test_integer_inputs_error_points_to_penalty_input():
+    with pytest.raises(ValueError, match="penalty_input='embedding'"):
+        keras_duq.wrap(_backbone(), num_classes=2)
+
+
+@pytest.mark.parametrize(
+    ("penalty_input", "match"),
+    [
+        (
+            "embeddings",
+            r"no layer 'embeddings'.*'embedding'.*Received: `penalty_input='embeddings'`",
+        ),
+        (3, r"name of a layer \(a string\).*Received: `penalty_input=3`"),
+        ("input_layer", r"names an input"),
+        ("ids", r"output is floating point.*'ids' outputs"),
+    ],
+)
+def test_bad_penalty_input_raises(penalty_input, match):
+    tokens = keras.Input((LENGTH,), dtype="int32", name="input_layer")
+    ids = keras.layers.Identity(name="ids")(tokens)
+    z = keras.layers.Embedding(VOCABULARY, DIMS, name="embedding")(ids)
+    features = keras.layers.GlobalAveragePooling1D()(z)
+    outputs = keras_duq.DUQOutput(num_classes=2)(features)
+    with pytest.raises(ValueError, match=match):
+        keras_duq.DUQModel(tokens, outputs, penalty_input=penalty_input)
+
+
+def test_layer_inside_a_subclassed_layer_is_named_in_the_error():
+    class Encoder(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.embedding = keras.layers.Embedding(VOCABULARY, DIMS, name="inner")
+
+        def call(self, tokens):
+            return ops.mean(self.embedding(tokens), axis=1)
+
+    tokens = keras.Input((LENGTH,), dtype="int32")
+    features = Encoder(name="encoder")(tokens)
+    outputs = keras_duq.DUQOutput(num_classes=2)(features)
+    with pytest.raises(
+        ValueError, match="inside the subclassed layer or model 'encoder'"
+    ):
+        keras_duq.DUQModel(tokens, outputs, penalty_input="inner")
+    # Its own output is a layer output like any other.
+    model = keras_duq.DUQModel(tokens, outputs, penalty_input="encoder")
+    model.compile(optimizer=keras.optimizers.SGD(0.05))
+    x, y = _tokens(n=8)
+    logs = model.train_on_batch(x, y, return_dict=True)
+    assert np.isfinite(logs["gradient_penalty"])
+
+
+@pytest.fixture
+def policy():
+    """Sets a global dtype policy for one test and restores float32 after."""
+    yield keras.mixed_precision.set_global_policy
+    keras.mixed_precision.set_global_policy("float32")
+
+
+def test_mixed_float16_step_matches_float32(policy):
+    x, y = _tokens()
+    logs, weights = {}, None
+    for name in ("float32", "mixed_float16"):
+        policy(name)
+        model = _model()
+        if weights is None:
+            weights = model.get_weights()
+        else:
+            model.set_weights(weights)
+        model.compile(optimizer=keras.optimizers.SGD(0.05))
+        logs[name] = model.train_on_batch(x, y, return_dict=True)
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    np.testing.assert_allclose(
+        logs["mixed_float16"]["gradient_penalty"],
+        logs["float32"]["gradient_penalty"],
+        rtol=1e-2,
+    )
+
+
+_MIRRORED_SCRIPT = """
+import json
+import sys
+import numpy as np
+import tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(
+    cpu, [tf.config.LogicalDeviceConfiguration()] * 2
+)
+import keras
+sys.path.insert(0, sys.argv[1])
+from test_penalty_input import _model, _tokens
+
+def build():
+    model = _model(health_checks=False)
+    model.compile(optimizer=keras.optimizers.SGD(0.1))
+    return model
+
+x, y = _tokens(n=16)
+single = build()
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+with strategy.scope():
+    mirrored = build()
+for weight, other in zip(mirrored.weights, single.weights):
+    weight.assign(other.numpy())
+logs = [
+    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
+    for model in (single, mirrored)
+]
+print(json.dumps({
+    "penalties": [log["gradient_penalty"] for log in logs],
+    "difference": max(
+        float(np.abs(a.numpy() - b.numpy()).max())
+        for a, b in zip(single.weights, mirrored.weights)
+    ),
+}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.requires_backend("tensorflow")  # tf.distribute
+def test_mirrored_strategy_matches_one_device(tmp_path):
+    # The replicas run their steps in threads of their own, each with its
+    # own probe. Two logical CPUs must be configured before TensorFlow
+    # starts: a fresh process.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "mirrored.py"
+    script.write_text(_MIRRORED_SCRIPT)
+    tests = str(Path(__file__).resolve().parent)
+    result = subprocess.run(
+        [sys.executable, str(script), tests], capture_output=True, text=True, check=True
+    )
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    np.testing.assert_allclose(*report["penalties"], rtol=1e-5)
+    assert report["difference"] < 1e-5
