@@ -36,29 +36,14 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import keras_duq  # noqa: E402
+from benchmarks.own_model_defaults import dropout_backbone as backbone  # noqa: E402
 from keras_duq import datasets  # noqa: E402
 from keras_duq import evaluation  # noqa: E402
 
 HEADS = ("duq", "softmax")
 
 
-def backbone():
-    """The README quickstart's backbone."""
-    return keras.Sequential(
-        [
-            keras.Input((28, 28, 1)),
-            keras.layers.Conv2D(32, 3, activation="relu"),
-            keras.layers.MaxPooling2D(),
-            keras.layers.Conv2D(64, 3, activation="relu"),
-            keras.layers.MaxPooling2D(),
-            keras.layers.Flatten(),
-            keras.layers.Dropout(0.5),
-            keras.layers.Dense(128, activation="relu"),
-        ]
-    )
-
-
-def confidence(model, head, x):
+def confidence(model, x):
     """`(predictions, confidence)`: kernel values or probabilities, maximised."""
     scores = model.predict(x, batch_size=1000, verbose=0)
     return scores.argmax(axis=1), scores.max(axis=1)
@@ -78,11 +63,11 @@ def run(head, seed, data, epochs):
     start = time.perf_counter()
     model.fit(x_train, y_train, batch_size=128, epochs=epochs, verbose=0)
     seconds = time.perf_counter() - start
-    val_pred, val_conf = confidence(model, head, x_val)
+    val_pred, val_conf = confidence(model, x_val)
     calibrator = evaluation.CertaintyCalibrator().fit(val_conf, val_pred == y_val)
-    pred, conf = confidence(model, head, x_test)
+    pred, conf = confidence(model, x_test)
     correct = pred == y_test
-    _, ood_conf = confidence(model, head, x_ood)
+    _, ood_conf = confidence(model, x_ood)
     return {
         "head": head,
         "seed": seed,
