@@ -45,6 +45,10 @@
 #             for every seed in PAPER_SEEDS (default "0 1 2"), in parallel
 #             with each other and with fm when both are named in one call
 #             (`fm+paper`). Epoch logs go to $OUT/paper_seed<S>.jsonl.
+#   tuning    benchmarks/tuning_fashion_mnist.py: `keras_duq.tuning.search` with
+#             the paper's recipe (5 epochs per trial), then 30 epochs with the
+#             choice, for every seed in TUNING_SEEDS (default "0 1 2"), in
+#             parallel; $OUT/tuning_fm_seed<S>.json each.
 #
 # LOG names the log (default run, so $OUT/run.log).
 # BUDGET (seconds, default 3600) bounds the whole script: each part stops at
@@ -87,12 +91,15 @@ read -r -a policies <<< "${SPEED_POLICIES:-float32 mixed_bfloat16}"
 read -r -a kinds <<< "${SPEED_KINDS:-softmax duq duq_penalty}"
 speed_args=(--kinds "${kinds[@]}")
 fm_args=()
+tuning_args=()
 paper_args=(--epochs 30 --device "${PAPER_DEVICE:-cuda}" --tf32 "${PAPER_TF32:-on}")
 if [ "${SMOKE:-0}" = 1 ]; then
     networks=(fashion_mnist_cnn)  # the ResNet's penalty step takes minutes on a CPU
     speed_args+=(--steps 2 --repeats 1)
     fm_args=(--epochs 1 --train-subset 512 --test-subset 512 --ood-eval-every 1)
     paper_args=(--epochs 1 --train-subset 512 --device "${PAPER_DEVICE:-cuda}")
+    tuning_args=(--train-subset 1000 --test-subset 500 --epochs-per-trial 1
+        --final-epochs 1 --max-trials 2)
 fi
 
 fm() {  # starts the keras_duq runs in the background
@@ -125,6 +132,19 @@ paper() {  # starts the paper code's runs in the background
     done
 }
 
+tuning() {  # starts the tuning runs in the background
+    export XLA_PYTHON_CLIENT_PREALLOCATE=false
+    for seed in ${TUNING_SEEDS:-0 1 2}; do
+        (
+            JAX_DEFAULT_MATMUL_PRECISION=highest timeout "$1" \
+                python3 -m benchmarks.tuning_fashion_mnist --seeds "$seed" \
+                --fashion-mnist-path "$data/fashion-mnist" --mnist-path "$mnist" \
+                --output-dir "/tmp/tuning_seed$seed" --output "$OUT/tuning_fm_seed$seed.json" \
+                "${tuning_args[@]}" 2>&1 | sed -u "s/^/[tuning_seed$seed] /" >> "$log"
+        ) &
+    done
+}
+
 left() {  # seconds of the budget left, less $1
     echo $(( BUDGET - SECONDS - $1 > 1 ? BUDGET - SECONDS - $1 : 1 ))
 }
@@ -153,7 +173,8 @@ for part in "$@"; do
         fm) fm "$(left 10)"; wait ;;
         paper) paper "$(left 10)"; wait ;;
         fm+paper) fm "$(left 10)"; paper "$(left 10)"; wait ;;
-        *) echo "unknown part '$part'; expected speed, torch_speed, default, fm, paper or fm+paper" >&2; exit 2 ;;
+        tuning) tuning "$(left 10)"; wait ;;
+        *) echo "unknown part '$part'; expected speed, torch_speed, default, fm, paper, fm+paper or tuning" >&2; exit 2 ;;
     esac
 done
 echo "== done at ${SECONDS}s" | tee -a "$log"
