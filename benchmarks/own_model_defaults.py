@@ -18,6 +18,8 @@ Example:
 KERAS_HOME=../shared/data/keras python -m benchmarks.own_model_defaults \
     --backbone quickstart --head duq --epochs 3 --seed 0 \
     --mnist-path ../shared/data/mnist --output own_model.jsonl
+# a Markdown table of such a file: mean accuracy, AUROC per seed and mean
+python -m benchmarks.own_model_defaults --summarize own_model.jsonl --at-epochs 1 3 10
 ```
 """
 
@@ -199,9 +201,59 @@ class EpochMetrics(keras.callbacks.Callback):
         self.start = time.time()
 
 
+def summarize(path, at_epochs=(1, 3, 10)):
+    """A Markdown table of the runs in a JSON-lines file, grouped by setup.
+
+    One row per (backbone, head, settings); for each epoch in `at_epochs`:
+    the mean test accuracy over seeds, the AUROC of each seed and its mean.
+    """
+    groups = {}
+    with open(path) as f:
+        for line in f:
+            record = json.loads(line)
+            key = (
+                record["backbone"],
+                record["head"],
+                json.dumps(record["wrap_kwargs"], sort_keys=True),
+            )
+            groups.setdefault(key, []).append(record)
+    header = "| backbone | head | settings | seeds |"
+    for epoch in at_epochs:
+        header += f" epoch {epoch}: accuracy | AUROC per seed | AUROC mean |"
+    lines = [header, "|" + "---|" * (4 + 3 * len(at_epochs))]
+    for (backbone, head, settings), records in sorted(groups.items()):
+        records.sort(key=lambda record: record["seed"])
+        seeds = ", ".join(str(record["seed"]) for record in records)
+        row = f"| {backbone} | {head} | {settings if head == 'duq' else ''} | {seeds} |"
+        for epoch in at_epochs:
+            rows = [
+                metrics
+                for record in records
+                for metrics in record["epochs"]
+                if metrics["epoch"] == epoch
+            ]
+            if not rows:
+                row += " | | |"
+                continue
+            accuracy = np.mean([r["accuracy"] for r in rows])
+            aurocs = [r["auroc"] for r in rows]
+            row += (
+                f" {accuracy:.3f} | {', '.join(f'{a:.3f}' for a in aurocs)}"
+                f" | {np.mean(aurocs):.3f} |"
+            )
+        lines.append(row)
+    return "\n".join(lines)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backbone", choices=sorted(BACKBONES), required=True)
+    parser.add_argument(
+        "--summarize",
+        metavar="JSONL",
+        help="Print a Markdown table of the runs in this file and exit.",
+    )
+    parser.add_argument("--at-epochs", type=int, nargs="+", default=[1, 3, 10])
+    parser.add_argument("--backbone", choices=sorted(BACKBONES))
     parser.add_argument("--head", choices=("duq", "softmax"), default="duq")
     parser.add_argument("--wrap-json", default="{}")
     parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
@@ -229,6 +281,11 @@ def main(argv=None):
     parser.add_argument("--label", default="")
     parser.add_argument("--output", default="own_model_defaults.jsonl")
     args = parser.parse_args(argv)
+    if args.summarize:
+        print(summarize(args.summarize, args.at_epochs))
+        return None
+    if args.backbone is None:
+        parser.error("--backbone is required (or --summarize to read results)")
 
     x_train, y_train, x_test, y_test, x_ood = load(
         args.mnist_path, args.train_subset, args.standardize
