@@ -98,6 +98,25 @@ def batchnorm_backbone():
     )
 
 
+def batchnorm_small_backbone():
+    """Conv-BatchNormalization-ReLU blocks and a dense layer, a cheaper BN CNN."""
+
+    def block(layer):
+        return [layer, keras.layers.BatchNormalization(), keras.layers.ReLU()]
+
+    return keras.Sequential(
+        [
+            keras.Input((28, 28, 1)),
+            *block(keras.layers.Conv2D(32, 3, padding="same", use_bias=False)),
+            keras.layers.MaxPooling2D(),
+            *block(keras.layers.Conv2D(64, 3, padding="same", use_bias=False)),
+            keras.layers.MaxPooling2D(),
+            keras.layers.Flatten(),
+            *block(keras.layers.Dense(128, use_bias=False)),
+        ]
+    )
+
+
 def mlp_backbone():
     """A plain MLP on flattened pixels."""
     return keras.Sequential(
@@ -130,6 +149,7 @@ BACKBONES = {
     "quickstart": quickstart_backbone,
     "paper": paper_backbone,
     "batchnorm": batchnorm_backbone,
+    "batchnorm_small": batchnorm_small_backbone,
     "mlp": mlp_backbone,
     "dropout": dropout_backbone,
 }
