@@ -136,6 +136,29 @@ def pytorch_default_initializer() -> keras.initializers.Initializer:
     )
 
 
+def pytorch_batch_normalization(regularizer=None, name=None):
+    """BatchNormalization with PyTorch's momentum and epsilon, as the paper's
+    code; `regularizer` on its scale and offset."""
+    return keras.layers.BatchNormalization(
+        momentum=0.9,
+        epsilon=1e-5,
+        gamma_regularizer=regularizer,
+        beta_regularizer=regularizer,
+        name=name,
+    )
+
+
+def compile_softmax(model: keras.Model, optimizer, args) -> keras.Model:
+    """Compiles a softmax baseline: cross-entropy, accuracy, `--jit-compile`."""
+    model.compile(
+        optimizer=optimizer,
+        loss="sparse_categorical_crossentropy",
+        metrics=["accuracy"],
+        jit_compile=jit_compile_argument(args),
+    )
+    return model
+
+
 def step_decay_schedule(steps_per_epoch: int, decay_epochs, rate):
     """A learning rate that drops at the start of each epoch of `decay_epochs`.
 

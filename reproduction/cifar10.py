@@ -391,13 +391,7 @@ def build_resnet18(feature_layer: bool = False, l2: float = 0.0) -> keras.Model:
         )(x)
 
     def batch_norm(x, name):
-        return keras.layers.BatchNormalization(
-            momentum=0.9,
-            epsilon=1e-5,
-            gamma_regularizer=regularizer,
-            beta_regularizer=regularizer,
-            name=name,
-        )(x)
+        return _harness.pytorch_batch_normalization(regularizer, name)(x)
 
     def basic_block(x, filters, strides, name):
         shortcut = x
@@ -531,13 +525,7 @@ def build_softmax_model(args, steps_per_epoch: int) -> keras.Model:
         ],
         name="softmax",
     )
-    model.compile(
-        optimizer=make_optimizer(args, steps_per_epoch),
-        loss="sparse_categorical_crossentropy",
-        metrics=["accuracy"],
-        jit_compile=jit_compile_argument(args),
-    )
-    return model
+    return _harness.compile_softmax(model, make_optimizer(args, steps_per_epoch), args)
 
 
 def build_model(args, steps_per_epoch: int, seed: int) -> keras.Model:

@@ -182,12 +182,7 @@ def build_backbone(l2: float = 0.0) -> keras.Sequential:
                 kernel_regularizer=regularizer,
                 bias_regularizer=regularizer,
             ),
-            keras.layers.BatchNormalization(
-                momentum=0.9,
-                epsilon=1e-5,
-                gamma_regularizer=regularizer,
-                beta_regularizer=regularizer,
-            ),
+            _harness.pytorch_batch_normalization(regularizer),
             keras.layers.ReLU(),
             keras.layers.MaxPooling2D(2),
         ]
@@ -281,13 +276,9 @@ def build_softmax_model(args, steps_per_epoch: int) -> keras.Model:
         ],
         name="softmax",
     )
-    model.compile(
-        optimizer=make_optimizer(steps_per_epoch, args.epochs),
-        loss="sparse_categorical_crossentropy",
-        metrics=["accuracy"],
-        jit_compile=jit_compile_argument(args),
+    return _harness.compile_softmax(
+        model, make_optimizer(steps_per_epoch, args.epochs), args
     )
-    return model
 
 
 def build_model(args, steps_per_epoch: int, seed: int) -> keras.Model:
