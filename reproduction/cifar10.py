@@ -533,7 +533,6 @@ def build_model(args, steps_per_epoch: int, seed: int) -> keras.Model:
 
     Starting fresh makes ensemble member `i` the same model, names included,
     that `--model softmax --seed seed + i` builds in a new process.
-    `clear_session` also resets the dtype policy, so it is set after it.
     """
     _harness.fresh_keras_state(args, seed)
     if args.model == "duq":
