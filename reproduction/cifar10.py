@@ -51,28 +51,20 @@ set): DUQ (lambda 0.5) 93.2% +- 0.4 accuracy, AUROC 0.927 +- 0.013; DUQ
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import json
 import math
 import os
 import sys
-import time
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 import keras_duq
-
-# The resumable training loop, its epoch log, the figures and PyTorch's
-# default initializer are the FashionMNIST harness's.
-from reproduction.fashion_mnist import MIXED_PRECISION_POLICIES
-from reproduction.fashion_mnist import jit_compile_argument
-from reproduction.fashion_mnist import nan_to_none
-from reproduction.fashion_mnist import pytorch_default_initializer
-from reproduction.fashion_mnist import save_figures
-from reproduction.fashion_mnist import set_dtype_policy
-from reproduction.fashion_mnist import train_model
+from reproduction import _harness
+from reproduction._harness import LEARNING_RATE
+from reproduction._harness import SGD_MOMENTUM
+from reproduction._harness import jit_compile_argument
+from reproduction._harness import pytorch_default_initializer
 
 NUM_CLASSES = 10
 IMAGE_SHAPE = (32, 32, 3)
@@ -139,19 +131,11 @@ RECIPES = {
         ),
     },
 }
-LEARNING_RATE = 0.05
-SGD_MOMENTUM = 0.9
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     """Parses the command line and fills unset values from `--recipe`."""
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    parser.add_argument(
-        "--model", choices=("duq", "softmax", "ensemble"), default="duq"
-    )
+    parser = _harness.new_parser(__doc__.split("\n\n")[0])
     parser.add_argument(
         "--recipe",
         choices=tuple(RECIPES),
@@ -182,12 +166,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="DUQ's lambda. Default: the recipe's (paper 0.5, paper_code 0.75).",
     )
     parser.add_argument("--length-scale", type=float, default=0.1)
-    parser.add_argument(
-        "--centroid-momentum",
-        type=float,
-        default=0.999,
-        help="DUQ's gamma, momentum of the centroid moving average.",
-    )
+    _harness.add_arguments(parser, "--centroid-momentum")
     parser.add_argument("--centroid-dims", type=int, default=FEATURES)
     parser.add_argument(
         "--kernel-initializer",
@@ -212,12 +191,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "recipe's, 0.05 (the paper, Appendix A, and its code); 1 gives "
         "keras_duq's default distribution.",
     )
-    parser.add_argument(
-        "--bias-correction",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="Bias-correct the centroid moving average (keras_duq.DUQOutput).",
-    )
+    _harness.add_arguments(parser, "--bias-correction")
     parser.add_argument(
         "--bce-epsilon",
         type=float,
@@ -256,21 +230,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "earlier run's results.json ('normalization'). Default: computed from "
         "the training images in the pipeline.",
     )
-    parser.add_argument(
-        "--mixed-precision",
-        nargs="?",
-        const="mixed_float16",
-        default="none",
-        choices=MIXED_PRECISION_POLICIES,
-        help="Keras dtype policy for the backbone ('--mixed-precision' alone: "
-        "mixed_float16). DUQ's head always computes in float32.",
-    )
-    parser.add_argument(
-        "--max-steps-per-epoch",
-        type=int,
-        default=None,
-        help="Cap the steps per epoch (smoke runs).",
-    )
+    _harness.add_arguments(parser, "--mixed-precision", "--max-steps-per-epoch")
     parser.add_argument(
         "--test-subset",
         type=int,
@@ -278,34 +238,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="Evaluate on the first N images of each evaluation set: CIFAR-10 "
         "test, SVHN test and the validation split (smoke runs).",
     )
-    parser.add_argument(
-        "--ood-eval-every",
-        type=int,
-        default=5,
-        help="Log OoD metrics vs. SVHN every N epochs during training "
-        "(keras_duq.callbacks.OODEvaluation); 0 turns it off. Logged only, "
-        "never used for model selection.",
-    )
-    parser.add_argument(
-        "--tensorboard",
-        action="store_true",
-        help="Write TensorBoard logs (OoD metrics included) to OUTPUT_DIR/logs.",
-    )
-    parser.add_argument(
-        "--backup-dir",
-        default=None,
-        help="Back up the training state here after every epoch "
-        "(keras.callbacks.BackupAndRestore) and log each epoch to "
-        "epochs.jsonl; rerunning the same command resumes from the last "
-        "finished epoch.",
-    )
-    parser.add_argument(
-        "--jit-compile",
-        choices=("auto", "true", "false"),
-        default="auto",
-        help="XLA compilation, passed to `Model.compile` (auto: Keras's choice, "
-        "XLA on GPUs, not on CPUs).",
-    )
+    _harness.add_run_arguments(parser, ood_name="SVHN")
     parser.add_argument("--verbose", type=int, default=2, choices=(0, 1, 2))
     args = parser.parse_args(argv)
 
@@ -383,9 +316,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.normalization_stats = _parse_normalization_stats(
             parser, args.normalization_stats
         )
-    if args.tensorboard:
-        if importlib.util.find_spec("tensorboard") is None:
-            parser.error("--tensorboard needs the `tensorboard` package installed")
+    _harness.check_tensorboard(parser, args)
     return args
 
 
@@ -460,13 +391,7 @@ def build_resnet18(feature_layer: bool = False, l2: float = 0.0) -> keras.Model:
         )(x)
 
     def batch_norm(x, name):
-        return keras.layers.BatchNormalization(
-            momentum=0.9,
-            epsilon=1e-5,
-            gamma_regularizer=regularizer,
-            beta_regularizer=regularizer,
-            name=name,
-        )(x)
+        return _harness.pytorch_batch_normalization(regularizer, name)(x)
 
     def basic_block(x, filters, strides, name):
         shortcut = x
@@ -503,15 +428,10 @@ def build_resnet18(feature_layer: bool = False, l2: float = 0.0) -> keras.Model:
 
 def learning_rate_schedule(args, steps_per_epoch: int):
     """0.05, times `lr_decay` at each milestone epoch that falls in the run."""
-    decay_epochs = [e for e in args.lr_milestones if e < args.epochs]
-    # The schedule keeps a value while `step <= boundary`, and the first step
-    # of epoch e (0-based) is e * steps_per_epoch: hence the -1.
-    boundaries = [e * steps_per_epoch - 1 for e in decay_epochs]
-    if not boundaries:
-        return args.learning_rate
-    return keras.optimizers.schedules.PiecewiseConstantDecay(
-        boundaries,
-        [args.learning_rate * args.lr_decay**i for i in range(len(boundaries) + 1)],
+    return _harness.step_decay_schedule(
+        steps_per_epoch,
+        [e for e in args.lr_milestones if e < args.epochs],
+        lambda i: args.learning_rate * args.lr_decay**i,
     )
 
 
@@ -605,13 +525,7 @@ def build_softmax_model(args, steps_per_epoch: int) -> keras.Model:
         ],
         name="softmax",
     )
-    model.compile(
-        optimizer=make_optimizer(args, steps_per_epoch),
-        loss="sparse_categorical_crossentropy",
-        metrics=["accuracy"],
-        jit_compile=jit_compile_argument(args),
-    )
-    return model
+    return _harness.compile_softmax(model, make_optimizer(args, steps_per_epoch), args)
 
 
 def build_model(args, steps_per_epoch: int, seed: int) -> keras.Model:
@@ -619,11 +533,8 @@ def build_model(args, steps_per_epoch: int, seed: int) -> keras.Model:
 
     Starting fresh makes ensemble member `i` the same model, names included,
     that `--model softmax --seed seed + i` builds in a new process.
-    `clear_session` also resets the dtype policy, so it is set after it.
     """
-    keras.backend.clear_session()
-    set_dtype_policy(args.mixed_precision)
-    keras.utils.set_random_seed(seed)
+    _harness.fresh_keras_state(args, seed)
     if args.model == "duq":
         return build_duq_model(args, steps_per_epoch, seed)
     return build_softmax_model(args, steps_per_epoch)
@@ -871,21 +782,13 @@ def load_data(args):
 
 
 def training_callbacks(args, evaluation, method, log_dir):
-    callbacks = []
-    if args.ood_eval_every:
-        callbacks.append(
-            keras_duq.callbacks.OODEvaluation(
-                in_distribution=evaluation["test"],
-                out_of_distribution=evaluation["ood"],
-                every_n_epochs=args.ood_eval_every,
-                method=method,
-                batch_size=EVAL_BATCH_SIZE,
-            )
-        )
-    if args.tensorboard:
-        # After OODEvaluation, so that it sees the ood_* values.
-        callbacks.append(keras.callbacks.TensorBoard(log_dir))
-    return callbacks
+    return _harness.training_callbacks(
+        args,
+        method,
+        log_dir,
+        lambda: (evaluation["test"], evaluation["ood"]),
+        batch_size=EVAL_BATCH_SIZE,
+    )
 
 
 # ------------------------------------------------------------ evaluation
@@ -893,8 +796,7 @@ def training_callbacks(args, evaluation, method, log_dir):
 
 def predict(models, dataset):
     """Scores of one model, or the averaged probabilities of an ensemble."""
-    images = dataset.map(lambda image, label: image)
-    return np.mean([m.predict(images, verbose=0) for m in models], axis=0)
+    return _harness.predict(models, dataset.map(lambda image, label: image))
 
 
 def labels_of(dataset) -> np.ndarray:
@@ -912,47 +814,29 @@ def misclassification_auroc(certainty, correct):
 
 def evaluate(models, method, evaluation):
     """Accuracy, OoD metrics and rejection curve; certainties for the plots."""
-    test_scores = predict(models, evaluation["test"])
-    ood_scores = predict(models, evaluation["ood"])
-    in_certainty = keras_duq.evaluation.certainty_scores(test_scores, method)
-    ood_certainty = keras_duq.evaluation.certainty_scores(ood_scores, method)
-    correct = test_scores.argmax(axis=1) == labels_of(evaluation["test"])
-    results = {"accuracy": float(correct.mean())}
-    results.update(keras_duq.evaluation.ood_metrics(in_certainty, ood_certainty))
-    if method != "max":
-        # Also the maximum softmax probability, the other usual certainty.
-        results["auroc_max_probability"] = keras_duq.evaluation.ood_metrics(
-            keras_duq.evaluation.certainty_scores(test_scores),
-            keras_duq.evaluation.certainty_scores(ood_scores),
-        )["auroc"]
-    results["misclassification_auroc"] = misclassification_auroc(in_certainty, correct)
+    validation = None
     if evaluation["validation"] is not None:
-        # How the paper chooses lambda: no OoD data, only how well the
-        # certainty tells right from wrong predictions on held-out images.
-        val_scores = predict(models, evaluation["validation"])
-        val_correct = val_scores.argmax(axis=1) == labels_of(evaluation["validation"])
-        results["validation_accuracy"] = float(val_correct.mean())
-        results["validation_misclassification_auroc"] = misclassification_auroc(
-            keras_duq.evaluation.certainty_scores(val_scores, method), val_correct
+        validation = (
+            predict(models, evaluation["validation"]),
+            labels_of(evaluation["validation"]),
         )
-        results["num_validation_evaluated"] = len(val_correct)
-    curve = keras_duq.evaluation.rejection_curve(in_certainty, correct, ood_certainty)
+    results, in_certainty, ood_certainty, curve = _harness.evaluate_scores(
+        method,
+        predict(models, evaluation["test"]),
+        labels_of(evaluation["test"]),
+        predict(models, evaluation["ood"]),
+        validation,
+        misclassification_auroc,
+    )
+    if validation is not None:
+        results["num_validation_evaluated"] = len(validation[1])
     sizes = {"num_test": len(in_certainty), "num_ood": len(ood_certainty)}
     return results, sizes, in_certainty, ood_certainty, curve
 
 
 def main(argv=None) -> dict:
     """Runs the experiment; returns the dict written to `results.json`."""
-    args = parse_args(argv)
-    start = time.perf_counter()
-    os.makedirs(args.output_dir, exist_ok=True)
-    previous_policy = keras.mixed_precision.global_policy()
-    try:
-        results = _run(args, start)
-    finally:
-        # Leave the process as it was (tests call `main` in-process).
-        keras.mixed_precision.set_global_policy(previous_policy)
-    return results
+    return _harness.run_main(_run, parse_args(argv))
 
 
 def _run(args, start) -> dict:
@@ -962,101 +846,48 @@ def _run(args, start) -> dict:
     steps_per_epoch = max(1, num_train // args.batch_size)
     if args.max_steps_per_epoch:
         steps_per_epoch = min(steps_per_epoch, args.max_steps_per_epoch)
-    # DUQ's certainty is the largest kernel value; the softmax baselines use
-    # the negative entropy of the (averaged) prediction, as the paper does.
-    method = "max" if args.model == "duq" else "negative_entropy"
-    num_models = args.ensemble_size if args.model == "ensemble" else 1
-    log_dir = os.path.join(args.output_dir, "logs")
+    method = _harness.certainty_method(args.model)
 
     def make_dataset(seed):
         return make_training_dataset(
             train, normalization, args.batch_size, seed, num_train
         )
 
-    models, histories = [], []
-    train_time = 0.0
-    for index in range(num_models):
-        # Ensemble members differ by their initialisation and data order.
-        seed = args.seed + index
-        model = build_model(args, steps_per_epoch, seed)
-        callbacks = training_callbacks(
-            args,
-            evaluation,
-            method,
-            log_dir if num_models == 1 else os.path.join(log_dir, f"member_{index}"),
-        )
-        backup_dir = None
-        if args.backup_dir:
-            backup_dir = os.path.join(args.backup_dir, f"member_{index}")
-        history, seconds = train_model(
-            model, make_dataset, args, steps_per_epoch, seed, callbacks, backup_dir
-        )
-        histories.append(history)
-        train_time += seconds
-        models.append(model)
-
-    results, sizes, in_certainty, ood_certainty, curve = evaluate(
-        models, method, evaluation
+    models, history, train_time = _harness.train_members(
+        args,
+        build_model,
+        make_dataset,
+        steps_per_epoch,
+        lambda log_dir: training_callbacks(args, evaluation, method, log_dir),
     )
-    label = {"duq": "DUQ", "softmax": "softmax", "ensemble": "deep ensemble"}[
-        args.model
-    ]
-    figures = save_figures(
-        args.output_dir,
-        label,
-        in_certainty,
-        ood_certainty,
-        curve,
-        method,
-        in_name="CIFAR-10",
-        ood_name="SVHN",
-    )
+    results, sizes, *evaluated = evaluate(models, method, evaluation)
     import tensorflow_datasets as tfds
 
-    results.update(
-        {
-            "model": args.model,
-            "recipe": args.recipe,
-            "certainty_method": method,
-            "seed": args.seed,
-            "epochs": args.epochs,
-            "steps_per_epoch": steps_per_epoch,
+    return _harness.finish(
+        args,
+        results,
+        evaluated,
+        names=("CIFAR-10", "SVHN"),
+        start=start,
+        steps_per_epoch=steps_per_epoch,
+        data={
             "num_train": num_train,
             "num_validation": args.validation_split,
             **sizes,
             "in_distribution": f"{IN_DISTRIBUTION}/test",
             "out_of_distribution": f"{OUT_OF_DISTRIBUTION}/test",
             "normalization": normalization,
-            # With --backup-dir: the sum over all (resumed) runs' epochs.
-            "train_time_s": train_time,
-            "wall_time_s": time.perf_counter() - start,
-            "settings": vars(args),
-            "versions": {
-                "keras": keras.__version__,
-                "keras_duq": keras_duq.__version__,
-                "tensorflow": tf.__version__,
-                "tensorflow_datasets": tfds.__version__,
-            },
-            "history": histories[0] if num_models == 1 else histories,
-            "rejection_curve": {k: [float(v) for v in vs] for k, vs in curve.items()},
-            "figures": figures,
-        }
+        },
+        history=history,
+        train_time=train_time,
+        versions={
+            "keras": keras.__version__,
+            "keras_duq": keras_duq.__version__,
+            "tensorflow": tf.__version__,
+            "tensorflow_datasets": tfds.__version__,
+        },
+        run={"recipe": args.recipe},
     )
-    with open(os.path.join(args.output_dir, "results.json"), "w") as file:
-        # NaN (the rejection curve's last point) is not valid JSON: write null.
-        json.dump(nan_to_none(results), file, indent=2)
-    print(
-        f"{label}: accuracy {results['accuracy']:.4f}, AUROC vs SVHN "
-        f"{results['auroc']:.4f}, AUPR {results['aupr']:.4f}, FPR@95%TPR "
-        f"{results['fpr_at_95_tpr']:.4f}, misclassification AUROC "
-        f"{_format(results['misclassification_auroc'])}, "
-        f"{results['wall_time_s']:.0f} s -> {args.output_dir}"
-    )
-    return results
-
-
-def _format(value):
-    return "n/a" if value is None else f"{value:.4f}"
 
 
 if __name__ == "__main__":

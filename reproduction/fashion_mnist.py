@@ -29,48 +29,39 @@ DUQ (lambda 0.05) 92.4% accuracy, AUROC 0.955; softmax 92.4%, AUROC 0.843;
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import sys
-import time
 
 import keras
 import numpy as np
 
 import keras_duq
+from reproduction import _harness
+
+# Shared with reproduction/cifar10.py; still importable from here.
+from reproduction._harness import LEARNING_RATE as LEARNING_RATE
+from reproduction._harness import MIXED_PRECISION_POLICIES as MIXED_PRECISION_POLICIES
+from reproduction._harness import SGD_MOMENTUM as SGD_MOMENTUM
+from reproduction._harness import EpochLog as EpochLog
+from reproduction._harness import jit_compile_argument as jit_compile_argument
+from reproduction._harness import nan_to_none as nan_to_none
+from reproduction._harness import (
+    pytorch_default_initializer as pytorch_default_initializer,
+)
+from reproduction._harness import read_epoch_log as read_epoch_log
+from reproduction._harness import save_figures as save_figures
+from reproduction._harness import set_dtype_policy as set_dtype_policy
+from reproduction._harness import train_model as train_model
 
 NUM_CLASSES = 10
 WEIGHT_DECAY = 1e-4
-LEARNING_RATE = 0.05
-SGD_MOMENTUM = 0.9
 # The learning rate is divided by 5 after every 10 epochs (epochs 10 and 20).
 LR_DECAY_FACTOR = 5.0
 LR_DECAY_EVERY_EPOCHS = 10
-MIXED_PRECISION_POLICIES = ("none", "mixed_float16", "mixed_bfloat16")
-
-
-def pytorch_default_initializer() -> keras.initializers.Initializer:
-    """PyTorch's default for conv and linear kernels (the paper's "default in
-    PyTorch"): uniform in +-1/sqrt(fan_in).
-
-    A new instance per layer, created after `set_random_seed`: an instance
-    made at import time would draw its seed before the script sets one, and
-    `--seed` would not fix the initial weights.
-    """
-    return keras.initializers.VarianceScaling(
-        scale=1.0 / 3.0, mode="fan_in", distribution="uniform"
-    )
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    parser.add_argument(
-        "--model", choices=("duq", "softmax", "ensemble"), default="duq"
-    )
+    parser = _harness.new_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument(
@@ -95,18 +86,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="DUQ: wrap the backbone's convolutions and dense layer with "
         "keras_duq.spectral_normalize(backbone, coefficient=COEFFICIENT)",
     )
-    parser.add_argument(
-        "--bias-correction",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="Bias-correct the centroid moving average (keras_duq.DUQOutput).",
-    )
-    parser.add_argument(
-        "--centroid-momentum",
-        type=float,
-        default=0.999,
-        help="DUQ's gamma, momentum of the centroid moving average.",
-    )
+    _harness.add_arguments(parser, "--bias-correction", "--centroid-momentum")
     parser.add_argument(
         "--kernel-initializer",
         default="reference",
@@ -132,12 +112,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--ensemble-size", type=int, default=5)
     parser.add_argument("--output-dir", default="outputs/fashion_mnist")
-    parser.add_argument(
-        "--max-steps-per-epoch",
-        type=int,
-        default=None,
-        help="Cap the steps per epoch (smoke runs).",
-    )
+    _harness.add_arguments(parser, "--max-steps-per-epoch")
     parser.add_argument(
         "--train-subset",
         type=int,
@@ -161,43 +136,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="Folder with FashionMNIST's IDX files; default: "
         "keras.datasets.fashion_mnist.",
     )
-    parser.add_argument(
-        "--ood-eval-every",
-        type=int,
-        default=5,
-        help="Log OoD metrics vs. MNIST every N epochs during training "
-        "(keras_duq.callbacks.OODEvaluation); 0 turns it off. Logged only, never used "
-        "for model selection.",
-    )
-    parser.add_argument(
-        "--tensorboard",
-        action="store_true",
-        help="Write TensorBoard logs (OoD metrics included) to OUTPUT_DIR/logs.",
-    )
-    parser.add_argument(
-        "--backup-dir",
-        default=None,
-        help="Back up the training state here after every epoch "
-        "(keras.callbacks.BackupAndRestore) and log each epoch to "
-        "epochs.jsonl; rerunning the same command resumes from the last "
-        "finished epoch.",
-    )
-    parser.add_argument(
-        "--jit-compile",
-        choices=("auto", "true", "false"),
-        default="auto",
-        help="XLA compilation, passed to `Model.compile` (auto: Keras's choice, "
-        "XLA on GPUs, not on CPUs).",
-    )
-    parser.add_argument(
-        "--mixed-precision",
-        nargs="?",
-        const="mixed_float16",
-        default="none",
-        choices=MIXED_PRECISION_POLICIES,
-        help="Keras dtype policy for the backbone ('--mixed-precision' alone: "
-        "mixed_float16). DUQ's head always computes in float32.",
-    )
+    _harness.add_run_arguments(parser, ood_name="MNIST")
+    _harness.add_arguments(parser, "--mixed-precision")
     parser.add_argument("--verbose", type=int, default=2, choices=(0, 1, 2))
     args = parser.parse_args(argv)
     for name in ("epochs", "batch_size", "ensemble_size", "penalty_interval"):
@@ -211,11 +151,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--validation-split and --ood-eval-every must be >= 0")
     if not args.bce_epsilon >= 0:
         parser.error("--bce-epsilon must be >= 0 (0: the exact gradient)")
-    if args.tensorboard:
-        try:
-            import tensorboard  # noqa: F401
-        except ImportError:
-            parser.error("--tensorboard needs the `tensorboard` package installed")
+    _harness.check_tensorboard(parser, args)
     return args
 
 
@@ -246,12 +182,7 @@ def build_backbone(l2: float = 0.0) -> keras.Sequential:
                 kernel_regularizer=regularizer,
                 bias_regularizer=regularizer,
             ),
-            keras.layers.BatchNormalization(
-                momentum=0.9,
-                epsilon=1e-5,
-                gamma_regularizer=regularizer,
-                beta_regularizer=regularizer,
-            ),
+            _harness.pytorch_batch_normalization(regularizer),
             keras.layers.ReLU(),
             keras.layers.MaxPooling2D(2),
         ]
@@ -277,15 +208,10 @@ def build_backbone(l2: float = 0.0) -> keras.Sequential:
 
 def learning_rate_schedule(steps_per_epoch: int, epochs: int):
     """0.05, divided by 5 after every 10 epochs (epochs 10 and 20 of 30)."""
-    decay_epochs = range(LR_DECAY_EVERY_EPOCHS, epochs, LR_DECAY_EVERY_EPOCHS)
-    # The schedule keeps a value while `step <= boundary`, and the first step
-    # of epoch e (0-based) is e * steps_per_epoch: hence the -1.
-    boundaries = [e * steps_per_epoch - 1 for e in decay_epochs]
-    if not boundaries:
-        return LEARNING_RATE
-    return keras.optimizers.schedules.PiecewiseConstantDecay(
-        boundaries,
-        [LEARNING_RATE / LR_DECAY_FACTOR**i for i in range(len(boundaries) + 1)],
+    return _harness.step_decay_schedule(
+        steps_per_epoch,
+        range(LR_DECAY_EVERY_EPOCHS, epochs, LR_DECAY_EVERY_EPOCHS),
+        lambda i: LEARNING_RATE / LR_DECAY_FACTOR**i,
     )
 
 
@@ -350,13 +276,9 @@ def build_softmax_model(args, steps_per_epoch: int) -> keras.Model:
         ],
         name="softmax",
     )
-    model.compile(
-        optimizer=make_optimizer(steps_per_epoch, args.epochs),
-        loss="sparse_categorical_crossentropy",
-        metrics=["accuracy"],
-        jit_compile=jit_compile_argument(args),
+    return _harness.compile_softmax(
+        model, make_optimizer(steps_per_epoch, args.epochs), args
     )
-    return model
 
 
 def build_model(args, steps_per_epoch: int, seed: int) -> keras.Model:
@@ -367,24 +289,10 @@ def build_model(args, steps_per_epoch: int, seed: int) -> keras.Model:
     model, names included, that `--model softmax --seed seed + i` builds in
     a new process, so members can be trained in separate processes.
     """
-    keras.backend.clear_session()
-    # After `clear_session`, which resets the dtype policy.
-    set_dtype_policy(args.mixed_precision)
-    keras.utils.set_random_seed(seed)
+    _harness.fresh_keras_state(args, seed)
     if args.model == "duq":
         return build_duq_model(args, steps_per_epoch)
     return build_softmax_model(args, steps_per_epoch)
-
-
-def set_dtype_policy(mixed_precision: str):
-    keras.mixed_precision.set_global_policy(
-        "float32" if mixed_precision == "none" else mixed_precision
-    )
-
-
-def jit_compile_argument(args):
-    """`--jit-compile` as `Model.compile` takes it."""
-    return {"auto": "auto", "true": True, "false": False}[args.jit_compile]
 
 
 # ------------------------------------------------------------------ data
@@ -422,198 +330,39 @@ def load_data(args):
 # -------------------------------------------------------------- training
 
 
-class EpochLog(keras.callbacks.Callback):
-    """Appends each finished epoch (its seconds and logs) to a JSON-lines file.
-
-    With `BackupAndRestore`, a resumed run's `History` holds only the epochs
-    of its own process; this file holds all of them.
-    """
-
-    def __init__(self, path: str):
-        super().__init__()
-        self.path = path
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._start = time.perf_counter()
-
-    def on_epoch_end(self, epoch, logs=None):
-        record = {
-            "epoch": epoch + 1,
-            "seconds": time.perf_counter() - self._start,
-            "logs": {k: float(v) for k, v in (logs or {}).items()},
-        }
-        with open(self.path, "a") as file:
-            file.write(json.dumps(record) + "\n")
-
-
-def read_epoch_log(path: str) -> list:
-    """Records of `EpochLog`, the last one per epoch (a resumed run may
-    repeat an epoch that was cut off before its backup)."""
-    if not os.path.exists(path):
-        return []
-    with open(path) as file:
-        records = [json.loads(line) for line in file if line.strip()]
-    return sorted({r["epoch"]: r for r in records}.values(), key=lambda r: r["epoch"])
-
-
-def train_model(
-    model, make_dataset, args, steps_per_epoch, seed, callbacks=(), backup_dir=None
-):
-    """Fits one model; returns its per-epoch history and training seconds.
-
-    `make_dataset(seed)` builds the training pipeline, repeated, reshuffling
-    itself every pass. With `backup_dir`, the training state is backed up
-    after every epoch and a rerun resumes from the last finished one.
-    (reproduction/cifar10.py trains with this function too.)
-    """
-    callbacks = list(callbacks)
-    epoch_log = None
-    done = 0
-    if backup_dir:
-        os.makedirs(backup_dir, exist_ok=True)
-        epoch_log = os.path.join(backup_dir, "epochs.jsonl")
-        state_dir = os.path.join(backup_dir, "state")
-        if not os.path.exists(state_dir) and os.path.exists(epoch_log):
-            os.remove(epoch_log)  # a log without its state is stale
-        done = len(read_epoch_log(epoch_log))
-        callbacks += [
-            # Kept after the last epoch: rerunning a finished run then only
-            # evaluates it.
-            keras.callbacks.BackupAndRestore(state_dir, delete_checkpoint=False),
-            EpochLog(epoch_log),
-        ]
-    # A resumed run must not replay the first epochs' data order.
-    dataset = make_dataset(seed + 1000 * done)
-    start = time.perf_counter()
-    history = model.fit(
-        dataset,
-        epochs=args.epochs,
-        steps_per_epoch=steps_per_epoch,
-        # The dataset reshuffles itself every pass.
-        shuffle=False,
-        callbacks=callbacks,
-        verbose=args.verbose,
-    )
-    seconds = time.perf_counter() - start
-    if epoch_log is None:
-        history = {k: [float(v) for v in vs] for k, vs in history.history.items()}
-        return history, seconds
-    records = read_epoch_log(epoch_log)
-    history = {}
-    for record in records:
-        for key, value in record["logs"].items():
-            history.setdefault(key, []).append(value)
-    return history, sum(r["seconds"] for r in records)
-
-
 def training_callbacks(args, test, x_ood, method, log_dir):
-    callbacks = []
-    if args.ood_eval_every:
-        callbacks.append(
-            keras_duq.callbacks.OODEvaluation(
-                in_distribution=keras_duq.datasets.make_dataset(*test, batch_size=512),
-                out_of_distribution=keras_duq.datasets.make_dataset(
-                    x_ood, batch_size=512
-                ),
-                every_n_epochs=args.ood_eval_every,
-                method=method,
-            )
-        )
-    if args.tensorboard:
-        # After OODEvaluation, so that it sees the ood_* values.
-        callbacks.append(keras.callbacks.TensorBoard(log_dir))
-    return callbacks
+    return _harness.training_callbacks(
+        args,
+        method,
+        log_dir,
+        lambda: (
+            keras_duq.datasets.make_dataset(*test, batch_size=512),
+            keras_duq.datasets.make_dataset(x_ood, batch_size=512),
+        ),
+    )
 
 
 def predict(models, x):
     """Scores of one model, or the averaged probabilities of an ensemble."""
-    return np.mean([m.predict(x, batch_size=512, verbose=0) for m in models], axis=0)
+    return _harness.predict(models, x, batch_size=512)
 
 
 def evaluate(models, method, test, x_ood, validation=None) -> dict:
     """Accuracy, OoD metrics and rejection curve; certainties for the plots."""
     x_test, y_test = test
-    test_scores = predict(models, x_test)
-    ood_scores = predict(models, x_ood)
-    in_certainty = keras_duq.evaluation.certainty_scores(test_scores, method)
-    ood_certainty = keras_duq.evaluation.certainty_scores(ood_scores, method)
-    correct = test_scores.argmax(axis=1) == y_test
-    results = {"accuracy": float(correct.mean())}
-    results.update(keras_duq.evaluation.ood_metrics(in_certainty, ood_certainty))
-    if method != "max":
-        # Also the maximum softmax probability, the other usual certainty.
-        results["auroc_max_probability"] = keras_duq.evaluation.ood_metrics(
-            keras_duq.evaluation.certainty_scores(test_scores),
-            keras_duq.evaluation.certainty_scores(ood_scores),
-        )["auroc"]
-    results["misclassification_auroc"] = keras_duq.evaluation.misclassification_auroc(
-        in_certainty, correct
-    )
+    test_scores, ood_scores = predict(models, x_test), predict(models, x_ood)
     if validation is not None:
         x_val, y_val = validation
-        val_scores = predict(models, x_val)
-        val_correct = val_scores.argmax(axis=1) == y_val
-        results["validation_accuracy"] = float(val_correct.mean())
-        results["validation_misclassification_auroc"] = (
-            keras_duq.evaluation.misclassification_auroc(
-                keras_duq.evaluation.certainty_scores(val_scores, method), val_correct
-            )
-        )
-    curve = keras_duq.evaluation.rejection_curve(in_certainty, correct, ood_certainty)
-    return results, in_certainty, ood_certainty, curve
-
-
-def save_figures(
-    output_dir,
-    label,
-    in_certainty,
-    ood_certainty,
-    curve,
-    method,
-    in_name="FashionMNIST",
-    ood_name="MNIST",
-):
-    """The paper's Figures 7 and 8 (histograms, rejection curve) and the ROC."""
-    import matplotlib.pyplot
-
-    title = f"{label}: {in_name} vs. {ood_name}"
-    figures = {
-        "roc_curve.png": keras_duq.plots.plot_roc_curve(
-            in_certainty, ood_certainty, label=label, title=title
-        ),
-        "rejection_curve.png": keras_duq.plots.plot_rejection_curve(
-            curve, label=label, title=title
-        ),
-        "certainty_histograms.png": keras_duq.plots.plot_certainty_histograms(
-            in_certainty,
-            ood_certainty,
-            in_label=f"{in_name} (test)",
-            ood_label=f"{ood_name} (test)",
-            xlabel="max kernel value" if method == "max" else "negative entropy",
-            title=title,
-        ),
-    }
-    for name, axes in figures.items():
-        axes.figure.savefig(os.path.join(output_dir, name), dpi=120)
-        # The plots draw on pyplot figures: close them, runs make many.
-        matplotlib.pyplot.close(axes.figure)
-    return sorted(figures)
+        validation = predict(models, x_val), y_val
+    return _harness.evaluate_scores(method, test_scores, y_test, ood_scores, validation)
 
 
 def main(argv=None) -> dict:
     """Runs the experiment; returns the dict written to `results.json`."""
-    args = parse_args(argv)
-    previous_policy = keras.mixed_precision.global_policy()
-    try:
-        return _run(args)
-    finally:
-        # Leave the process as it was (tests call `main` in-process).
-        keras.mixed_precision.set_global_policy(previous_policy)
+    return _harness.run_main(_run, parse_args(argv))
 
 
-def _run(args) -> dict:
-    start = time.perf_counter()
-    os.makedirs(args.output_dir, exist_ok=True)
+def _run(args, start) -> dict:
     keras.utils.set_random_seed(args.seed)
     train_data, validation, test, x_ood = load_data(args)
 
@@ -630,90 +379,35 @@ def _run(args) -> dict:
 
     if args.max_steps_per_epoch:
         steps_per_epoch = min(steps_per_epoch, args.max_steps_per_epoch)
-    # DUQ's certainty is the largest kernel value; the softmax baselines use
-    # the negative entropy of the (averaged) prediction, as the paper does.
-    method = "max" if args.model == "duq" else "negative_entropy"
-    num_models = args.ensemble_size if args.model == "ensemble" else 1
-    log_dir = os.path.join(args.output_dir, "logs")
-
-    models, histories = [], []
-    train_time = 0.0
-    for index in range(num_models):
-        # Ensemble members differ by their initialisation and data order.
-        seed = args.seed + index
-        model = build_model(args, steps_per_epoch, seed)
-        callbacks = training_callbacks(
-            args,
-            test,
-            x_ood,
-            method,
-            log_dir if num_models == 1 else os.path.join(log_dir, f"member_{index}"),
-        )
-        backup_dir = None
-        if args.backup_dir:
-            backup_dir = os.path.join(args.backup_dir, f"member_{index}")
-        history, seconds = train_model(
-            model, make_dataset, args, steps_per_epoch, seed, callbacks, backup_dir
-        )
-        histories.append(history)
-        train_time += seconds
-        models.append(model)
-
-    results, in_certainty, ood_certainty, curve = evaluate(
-        models, method, test, x_ood, validation
+    method = _harness.certainty_method(args.model)
+    models, history, train_time = _harness.train_members(
+        args,
+        build_model,
+        make_dataset,
+        steps_per_epoch,
+        lambda log_dir: training_callbacks(args, test, x_ood, method, log_dir),
     )
-    label = {"duq": "DUQ", "softmax": "softmax", "ensemble": "deep ensemble"}[
-        args.model
-    ]
-    figures = save_figures(
-        args.output_dir, label, in_certainty, ood_certainty, curve, method
-    )
-    results.update(
-        {
-            "model": args.model,
-            "certainty_method": method,
-            "seed": args.seed,
-            "epochs": args.epochs,
-            "steps_per_epoch": steps_per_epoch,
+    results, *evaluated = evaluate(models, method, test, x_ood, validation)
+    return _harness.finish(
+        args,
+        results,
+        evaluated,
+        names=("FashionMNIST", "MNIST"),
+        start=start,
+        steps_per_epoch=steps_per_epoch,
+        data={
             "num_train": len(train_data[0]),
             "num_test": len(test[0]),
             "num_ood": len(x_ood),
-            # With --backup-dir: the sum over all (resumed) runs' epochs.
-            "train_time_s": train_time,
-            "wall_time_s": time.perf_counter() - start,
-            "settings": vars(args),
-            "versions": {
-                "backend": keras.backend.backend(),
-                "keras": keras.__version__,
-                "keras_duq": keras_duq.__version__,
-            },
-            "history": histories[0] if num_models == 1 else histories,
-            "rejection_curve": {k: [float(v) for v in vs] for k, vs in curve.items()},
-            "figures": figures,
-        }
+        },
+        history=history,
+        train_time=train_time,
+        versions={
+            "backend": keras.backend.backend(),
+            "keras": keras.__version__,
+            "keras_duq": keras_duq.__version__,
+        },
     )
-    with open(os.path.join(args.output_dir, "results.json"), "w") as file:
-        # NaN (the rejection curve's last point) is not valid JSON: write null.
-        json.dump(nan_to_none(results), file, indent=2)
-    print(
-        f"{label}: accuracy {results['accuracy']:.4f}, AUROC vs MNIST "
-        f"{results['auroc']:.4f}, AUPR {results['aupr']:.4f}, FPR@95%TPR "
-        f"{results['fpr_at_95_tpr']:.4f}, misclassification AUROC "
-        f"{results['misclassification_auroc']:.4f}, "
-        f"{results['wall_time_s']:.0f} s -> {args.output_dir}"
-    )
-    return results
-
-
-def nan_to_none(value):
-    """`value` with every NaN float, at any depth, replaced by `None` (for JSON)."""
-    if isinstance(value, dict):
-        return {k: nan_to_none(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [nan_to_none(v) for v in value]
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    return value
 
 
 if __name__ == "__main__":

@@ -73,6 +73,63 @@ def state_paths(state_dir):
     return os.path.join(state_dir, "state.pt"), os.path.join(state_dir, "epochs.jsonl")
 
 
+def make_optimizer(parameters):
+    """The paper's SGD (lr 0.05, momentum 0.9, weight decay 1e-4) and its
+    schedule (lr / 5 after epochs 10 and 20)."""
+    optimizer = torch.optim.SGD(parameters, lr=0.05, momentum=0.9, weight_decay=1e-4)
+    return optimizer, torch.optim.lr_scheduler.MultiStepLR(
+        optimizer, [10, 20], gamma=0.2
+    )
+
+
+def resume(state_path, device, net, optimizer, scheduler):
+    """Loads the state `save_epoch` saved into `net`, `optimizer` and `scheduler`.
+
+    Returns the number of epochs done and the whole state, whose random
+    generators the caller restores; `0, None` when there is none.
+    """
+    if not os.path.exists(state_path):
+        return 0, None
+    state = torch.load(state_path, map_location=device)
+    net.load_state_dict(state["net"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    print(f"resumed after epoch {state['epoch']}")
+    return state["epoch"], state
+
+
+def steps_per_epoch(examples, batch_size, last_batch, max_steps):
+    """Full batches, plus the partial last one with `last_batch="keep"`;
+    at most `max_steps` when given."""
+    steps = examples // batch_size
+    if last_batch == "keep":
+        steps = -(-examples // batch_size)
+    if max_steps:
+        steps = min(steps, max_steps)
+    return steps
+
+
+def save_epoch(
+    state_path, log_path, records, epoch, net, optimizer, scheduler, **generators
+):
+    """Saves the training state after `epoch` (replacing the last one whole,
+    never half written), then appends the epoch's records to the log.
+
+    `generators`: the states of the data order's random generators, by name.
+    """
+    state = {
+        "net": net.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        **generators,
+        "epoch": epoch,
+    }
+    torch.save(state, state_path + ".tmp")
+    os.replace(state_path + ".tmp", state_path)
+    with open(log_path, "a") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+
+
 class DUQNet(nn.Module):
     def __init__(self, bias_init="pytorch"):
         super().__init__()
@@ -221,20 +278,11 @@ def main():
 
     torch.manual_seed(args.seed)
     net = DUQNet(args.bias_init).to(device)
-    optimizer = torch.optim.SGD(
-        net.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4
-    )
-    scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, [10, 20], gamma=0.2)
+    optimizer, scheduler = make_optimizer(net.parameters())
     generator = torch.Generator().manual_seed(args.seed)
-    start_epoch = 0
-    if os.path.exists(state_path):
-        state = torch.load(state_path, map_location=device)
-        net.load_state_dict(state["net"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
+    start_epoch, state = resume(state_path, device, net, optimizer, scheduler)
+    if state is not None:
         generator.set_state(state["generator"].cpu())
-        start_epoch = state["epoch"]
-        print(f"resumed after epoch {start_epoch}")
 
     batch_size = 128
     for epoch in range(start_epoch + 1, args.epochs + 1):
@@ -245,11 +293,7 @@ def main():
             k: torch.zeros((), device=device)
             for k in ("bce", "gradient_penalty", "accuracy")
         }
-        steps = len(order) // batch_size
-        if args.last_batch == "keep":
-            steps = -(-len(order) // batch_size)
-        if args.max_steps:
-            steps = min(steps, args.max_steps)
+        steps = steps_per_epoch(len(order), batch_size, args.last_batch, args.max_steps)
         for step in range(steps):
             index = order[step * batch_size : (step + 1) * batch_size]
             labels = y_train[index]
@@ -275,19 +319,16 @@ def main():
             record.update(evaluate(net, x_test, y_test, x_ood))
         record["seconds"] = time.perf_counter() - started
         print(json.dumps(record), flush=True)
-        torch.save(
-            {
-                "net": net.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
-                "generator": generator.get_state(),
-                "epoch": epoch,
-            },
-            state_path + ".tmp",
+        save_epoch(
+            state_path,
+            log_path,
+            [record],
+            epoch,
+            net,
+            optimizer,
+            scheduler,
+            generator=generator.get_state(),
         )
-        os.replace(state_path + ".tmp", state_path)
-        with open(log_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
 
 
 if __name__ == "__main__":

@@ -25,8 +25,6 @@ test accuracy and AUROC vs MNIST every 5 epochs) and is resumable from
 """
 
 import argparse
-import json
-import os
 import time
 
 import numpy as np
@@ -42,7 +40,11 @@ from train_pytorch import DUQNet
 from train_pytorch import auroc
 from train_pytorch import exact_binary_cross_entropy
 from train_pytorch import load_all
+from train_pytorch import make_optimizer
+from train_pytorch import resume
+from train_pytorch import save_epoch
 from train_pytorch import state_paths
+from train_pytorch import steps_per_epoch
 
 CHANNELS = (64, 128, 128)
 
@@ -146,13 +148,6 @@ def synchronize(device):
     """Waits for the GPU's queued work, so that a timer reads its end."""
     if device.type == "cuda":
         torch.cuda.synchronize()
-
-
-def make_optimizer(parameters):
-    optimizer = torch.optim.SGD(parameters, lr=0.05, momentum=0.9, weight_decay=1e-4)
-    return optimizer, torch.optim.lr_scheduler.MultiStepLR(
-        optimizer, [10, 20], gamma=0.2
-    )
 
 
 def self_check(device):
@@ -282,16 +277,10 @@ def main():
     generators = [
         torch.Generator().manual_seed(args.seed * 1000 + g) for g in range(models)
     ]
-    start_epoch = 0
-    if os.path.exists(state_path):
-        state = torch.load(state_path, map_location=device)
-        net.load_state_dict(state["net"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
+    start_epoch, state = resume(state_path, device, net, optimizer, scheduler)
+    if state is not None:
         for generator, saved in zip(generators, state["generators"]):
             generator.set_state(saved.cpu())
-        start_epoch = state["epoch"]
-        print(f"resumed after epoch {start_epoch}")
 
     batch_size = 128
     for epoch in range(start_epoch + 1, args.epochs + 1):
@@ -300,11 +289,9 @@ def main():
             [torch.randperm(len(x_train), generator=g) for g in generators]
         ).to(device)
         totals = torch.zeros(3, models, device=device)
-        steps = len(x_train) // batch_size
-        if args.last_batch == "keep":
-            steps = -(-len(x_train) // batch_size)
-        if args.max_steps:
-            steps = min(steps, args.max_steps)
+        steps = steps_per_epoch(
+            len(x_train), batch_size, args.last_batch, args.max_steps
+        )
         for step in range(steps):
             index = orders[
                 :, step * batch_size : (step + 1) * batch_size
@@ -356,19 +343,16 @@ def main():
             else ""
         )
         print(f"epoch {epoch}: {seconds:.1f} s{summary}", flush=True)
-        torch.save(
-            {
-                "net": net.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
-                "generators": [g.get_state() for g in generators],
-                "epoch": epoch,
-            },
-            state_path + ".tmp",
+        save_epoch(
+            state_path,
+            log_path,
+            records,
+            epoch,
+            net,
+            optimizer,
+            scheduler,
+            generators=[g.get_state() for g in generators],
         )
-        os.replace(state_path + ".tmp", state_path)
-        with open(log_path, "a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in records)
 
 
 if __name__ == "__main__":
