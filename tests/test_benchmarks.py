@@ -50,3 +50,34 @@ def test_a_missing_backend_is_skipped_with_the_reason():
 
     text = table({"torch": {"skipped": "not installed (`pip install torch`)"}})
     assert "torch skipped: not installed" in text
+
+
+def test_own_model_summary_averages_each_setup_over_its_seeds(tmp_path):
+    from benchmarks.own_model_defaults import summarize
+
+    def record(seed, head, aurocs):
+        epochs = [
+            {"epoch": epoch, "accuracy": 0.5 + 0.1 * seed, "auroc": auroc}
+            for epoch, auroc in enumerate(aurocs, start=1)
+        ]
+        return {
+            "backbone": "mlp",
+            "head": head,
+            "wrap_kwargs": {},
+            "seed": seed,
+            "epochs": epochs,
+        }
+
+    path = tmp_path / "runs.jsonl"
+    records = [record(1, "duq", [0.8, 0.9]), record(0, "duq", [0.6, 0.7])]
+    records.append(record(0, "softmax", [0.5]))
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    rows = summarize(path, at_epochs=(1, 2)).splitlines()
+    assert len(rows) == 4  # header, rule, one row per setup
+    # Seeds in order, mean accuracy, AUROC per seed and its mean, per epoch.
+    assert rows[2] == (
+        "| mlp | duq | {} | 0, 1 | 0.550 | 0.600, 0.800 | 0.700 |"
+        " 0.550 | 0.700, 0.900 | 0.800 |"
+    )
+    # A setup that stopped before an epoch leaves that epoch's cells empty.
+    assert rows[3] == "| mlp | softmax |  | 0 | 0.500 | 0.500 | 0.500 | | | |"
