@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -81,3 +83,40 @@ def test_own_model_summary_averages_each_setup_over_its_seeds(tmp_path):
     )
     # A setup that stopped before an epoch leaves that epoch's cells empty.
     assert rows[3] == "| mlp | softmax |  | 0 | 0.500 | 0.500 | 0.500 | | | |"
+
+
+@pytest.mark.slow
+def test_tuning_fashion_mnist_quickstart_recipe_records_every_candidate(
+    tmp_path, keras_home, mnist_dir
+):
+    from benchmarks import tuning_fashion_mnist
+
+    output = tmp_path / "tuning.json"
+    tuning_fashion_mnist.main(
+        ["--recipe", "quickstart", "--seeds", "0", "--mnist-path", str(mnist_dir)]
+        + ["--train-subset", "600", "--test-subset", "200", "--epochs-per-trial"]
+        + ["1", "--max-trials", "2", "--final-epochs", "2", "--output", str(output)]
+    )
+    (run,) = json.loads(output.read_text())["runs"]
+    assert [trial["stage"] for trial in run["trials"]] == [1, 2]
+    assert set(run["best"]) == {"length_scale", "gradient_penalty"}
+    finals = run["final"]
+    assert set(finals) == {"chosen", "library_defaults", "paper"}
+    assert finals["chosen"]["values"] == run["best"]
+    for name in ("library_defaults", "paper"):
+        final = finals[name]
+        if "same_as" in final:  # the search chose these values: not retrained
+            assert finals[final["same_as"]]["values"] == final_values(name)
+        else:
+            assert final["values"] == final_values(name)
+            assert [row["epoch"] for row in final["epochs"]] == [1, 2]
+            assert all(0.0 <= row["auroc"] <= 1.0 for row in final["epochs"])
+
+
+def final_values(name):
+    from benchmarks import tuning_fashion_mnist
+
+    return {
+        "library_defaults": tuning_fashion_mnist.LIBRARY_DEFAULTS,
+        "paper": tuning_fashion_mnist.PAPER,
+    }[name]
