@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 import keras
+import numpy as np
 
 import keras_duq
 
@@ -180,6 +181,69 @@ def run_quickstart_seed(seed, args):
     }
 
 
+def summarize(paths, at_epochs=(1, 3, 10)):
+    """Markdown tables of `--recipe quickstart` results, seeds side by side.
+
+    The first table has every trial (validation accuracy and
+    misclassification AUROC per seed; `*` marks each seed's choice); the
+    second, for each set of final values, the mean test accuracy, each
+    seed's AUROC against MNIST and its mean after each epoch in `at_epochs`.
+    """
+    runs = sorted(
+        (run for path in paths for run in json.loads(Path(path).read_text())["runs"]),
+        key=lambda run: run["seed"],
+    )
+    seeds = [run["seed"] for run in runs]
+    trials = {}
+    for run in runs:
+        for trial in run["trials"]:
+            key = (trial["stage"], trial["length_scale"], trial["gradient_penalty"])
+            chosen = run["best"] == {"length_scale": key[1], "gradient_penalty": key[2]}
+            cell = "diverged"
+            if not trial["diverged"]:
+                cell = (
+                    f"{trial['val_accuracy']:.4f} / "
+                    f"{trial['val_misclassification_auroc']:.4f}"
+                )
+            trials.setdefault(key, {})[run["seed"]] = cell + (" *" if chosen else "")
+    lines = [
+        "| stage | length scale | penalty |"
+        + "".join(f" seed {seed}: val accuracy / AUROC |" for seed in seeds),
+        "|" + "---|" * (3 + len(seeds)),
+    ]
+    for (stage, length_scale, penalty), cells in sorted(trials.items()):
+        lines.append(
+            f"| {stage} | {length_scale:g} | {penalty:g} |"
+            + "".join(f" {cells[seed]} |" if seed in cells else " |" for seed in seeds)
+        )
+    header = "| values | length scale / penalty per seed |"
+    for epoch in at_epochs:
+        header += f" epoch {epoch}: accuracy | AUROC per seed | AUROC mean |"
+    lines += ["", header, "|" + "---|" * (2 + 3 * len(at_epochs))]
+    for name in ("chosen", "library_defaults", "paper"):
+        finals = []
+        for run in runs:
+            final = run["final"][name]
+            finals.append(run["final"][final.get("same_as", name)])
+        values = ", ".join(
+            f"{final['values']['length_scale']:g} / "
+            f"{final['values']['gradient_penalty']:g}"
+            for final in finals
+        )
+        row = f"| {name.replace('_', ' ')} | {values} |"
+        for epoch in at_epochs:
+            rows = [
+                m for final in finals for m in final["epochs"] if m["epoch"] == epoch
+            ]
+            aurocs = [m["auroc"] for m in rows]
+            row += (
+                f" {np.mean([m['accuracy'] for m in rows]):.3f} |"
+                f" {', '.join(f'{a:.3f}' for a in aurocs)} | {np.mean(aurocs):.3f} |"
+            )
+        lines.append(row)
+    return "\n".join(lines)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -188,6 +252,13 @@ def main(argv=None):
         default="paper",
         help="The paper's CNN, optimizer and head, or the README quickstart's.",
     )
+    parser.add_argument(
+        "--summarize",
+        nargs="+",
+        metavar="JSON",
+        help="Print Markdown tables of these `--recipe quickstart` results and exit.",
+    )
+    parser.add_argument("--at-epochs", type=int, nargs="+", default=[1, 3, 10])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--epochs-per-trial", type=int, default=5)
     parser.add_argument(
@@ -204,6 +275,9 @@ def main(argv=None):
     parser.add_argument("--output-dir", default="outputs/tuning_fashion_mnist")
     parser.add_argument("--output", default=None)
     args = parser.parse_args(argv)
+    if args.summarize:
+        print(summarize(args.summarize, args.at_epochs))
+        return
     quickstart = args.recipe == "quickstart"
     if args.final_epochs is None:
         args.final_epochs = 10 if quickstart else 30

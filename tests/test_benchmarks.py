@@ -120,3 +120,64 @@ def final_values(name):
         "library_defaults": tuning_fashion_mnist.LIBRARY_DEFAULTS,
         "paper": tuning_fashion_mnist.PAPER,
     }[name]
+
+
+def test_tuning_summary_puts_seeds_side_by_side_and_follows_reused_runs(tmp_path):
+    from benchmarks.tuning_fashion_mnist import summarize
+
+    def trial(stage, length_scale, penalty, accuracy):
+        return {
+            "stage": stage,
+            "length_scale": length_scale,
+            "gradient_penalty": penalty,
+            "val_accuracy": accuracy,
+            "val_misclassification_auroc": 0.8,
+            "diverged": False,
+        }
+
+    def final(length_scale, penalty, auroc):
+        values = {"length_scale": length_scale, "gradient_penalty": penalty}
+        rows = [{"epoch": 1, "accuracy": 0.5, "auroc": auroc}]
+        return {"values": values, "epochs": rows}
+
+    runs = [
+        {
+            "seed": seed,
+            "best": {"length_scale": 0.1, "gradient_penalty": penalty},
+            "trials": [trial(1, 0.1, 0.0, 0.9), trial(2, 0.1, penalty, 0.89)],
+            "final": finals,
+        }
+        for seed, penalty, finals in [
+            (
+                0,
+                0.3,
+                {
+                    "chosen": final(0.1, 0.3, 0.9),
+                    "library_defaults": final(0.1, 0.1, 0.7),
+                    "paper": final(0.1, 0.05, 0.6),
+                },
+            ),
+            (
+                1,
+                0.1,
+                {
+                    "chosen": final(0.1, 0.1, 0.8),
+                    "library_defaults": {"same_as": "chosen"},
+                    "paper": final(0.1, 0.05, 0.4),
+                },
+            ),
+        ]
+    ]
+    paths = []
+    for run in runs[::-1]:  # one file per seed, in any order
+        paths.append(tmp_path / f"seed{run['seed']}.json")
+        paths[-1].write_text(json.dumps({"runs": [run]}))
+    table = summarize(paths, at_epochs=[1]).splitlines()
+    assert "| 2 | 0.1 | 0.3 | 0.8900 / 0.8000 * | |" in table
+    assert "| 2 | 0.1 | 0.1 | | 0.8900 / 0.8000 * |" in table
+    assert "| chosen | 0.1 / 0.3, 0.1 / 0.1 | 0.500 | 0.900, 0.800 | 0.850 |" in table
+    assert (
+        "| library defaults | 0.1 / 0.1, 0.1 / 0.1 | 0.500 | 0.700, 0.800 | 0.750 |"
+        in table
+    )
+    assert "| paper | 0.1 / 0.05, 0.1 / 0.05 | 0.500 | 0.600, 0.400 | 0.500 |" in table
