@@ -252,17 +252,21 @@ def summarize(path, at_epochs=(1, 3, 10)):
                 for metrics in record["epochs"]
                 if metrics["epoch"] == epoch
             ]
-            if not rows:
-                row += " | | |"
-                continue
-            accuracy = np.mean([r["accuracy"] for r in rows])
-            aurocs = [r["auroc"] for r in rows]
-            row += (
-                f" {accuracy:.3f} | {', '.join(f'{a:.3f}' for a in aurocs)}"
-                f" | {np.mean(aurocs):.3f} |"
-            )
+            row += epoch_cells(rows)
         lines.append(row)
     return "\n".join(lines)
+
+
+def epoch_cells(rows):
+    """Three table cells for one epoch of several seeds' runs: the mean
+    accuracy, each seed's AUROC and their mean (empty without runs)."""
+    if not rows:
+        return " | | |"
+    aurocs = [row["auroc"] for row in rows]
+    return (
+        f" {np.mean([row['accuracy'] for row in rows]):.3f} |"
+        f" {', '.join(f'{auroc:.3f}' for auroc in aurocs)} | {np.mean(aurocs):.3f} |"
+    )
 
 
 def main(argv=None):

@@ -38,7 +38,6 @@ import time
 from pathlib import Path
 
 import keras
-import numpy as np
 
 import keras_duq
 
@@ -235,11 +234,7 @@ def summarize(paths, at_epochs=(1, 3, 10)):
             rows = [
                 m for final in finals for m in final["epochs"] if m["epoch"] == epoch
             ]
-            aurocs = [m["auroc"] for m in rows]
-            row += (
-                f" {np.mean([m['accuracy'] for m in rows]):.3f} |"
-                f" {', '.join(f'{a:.3f}' for a in aurocs)} | {np.mean(aurocs):.3f} |"
-            )
+            row += own_model_defaults.epoch_cells(rows)
         lines.append(row)
     return "\n".join(lines)
 
