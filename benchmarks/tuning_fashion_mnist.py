@@ -34,6 +34,7 @@ import inspect
 import json
 import math
 import os
+import platform
 import time
 from pathlib import Path
 
@@ -294,7 +295,14 @@ def write_report(args, runs):
         "num_validation": NUM_VALIDATION,
         "paper": PAPER,
         "library_defaults": LIBRARY_DEFAULTS,
-        "versions": {"backend": keras.backend.backend(), "keras": keras.__version__},
+        "versions": {
+            "backend": keras.backend.backend(),
+            "keras": keras.__version__,
+            "keras_duq": keras_duq.__version__,
+            "python": platform.python_version(),
+            "cpu": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(),
+        },
         "runs": runs,
     }
     Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
