@@ -103,23 +103,18 @@ def test_tuning_fashion_mnist_quickstart_recipe_records_every_candidate(
     finals = run["final"]
     assert set(finals) == {"chosen", "library_defaults", "paper"}
     assert finals["chosen"]["values"] == run["best"]
-    for name in ("library_defaults", "paper"):
-        final = finals[name]
-        if "same_as" in final:  # the search chose these values: not retrained
-            assert finals[final["same_as"]]["values"] == final_values(name)
-        else:
-            assert final["values"] == final_values(name)
-            assert [row["epoch"] for row in final["epochs"]] == [1, 2]
-            assert all(0.0 <= row["auroc"] <= 1.0 for row in final["epochs"])
-
-
-def final_values(name):
-    from benchmarks import tuning_fashion_mnist
-
-    return {
+    expected = {
         "library_defaults": tuning_fashion_mnist.LIBRARY_DEFAULTS,
         "paper": tuning_fashion_mnist.PAPER,
-    }[name]
+    }
+    for name, values in expected.items():
+        final = finals[name]
+        if "same_as" in final:  # the search chose these values: not retrained
+            assert finals[final["same_as"]]["values"] == values
+        else:
+            assert final["values"] == values
+            assert [row["epoch"] for row in final["epochs"]] == [1, 2]
+            assert all(0.0 <= row["auroc"] <= 1.0 for row in final["epochs"])
 
 
 def test_tuning_summary_puts_seeds_side_by_side_and_follows_reused_runs(tmp_path):
