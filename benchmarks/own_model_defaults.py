@@ -194,28 +194,49 @@ def load(mnist_path, train_subset, standardize=False):
 
 
 class EpochMetrics(keras.callbacks.Callback):
-    def __init__(self, x_test, y_test, x_ood, head):
+    """After each epoch: test accuracy, AUROC vs the OoD set, and more.
+
+    With `recompute_on` (training inputs), each epoch is measured a second
+    time after `keras_duq.recompute_batch_norm_statistics(model,
+    recompute_on)` (keys ending in `_recomputed`); the moving statistics are
+    then put back, so that training continues as without it.
+    """
+
+    def __init__(self, x_test, y_test, x_ood, head, recompute_on=None):
         super().__init__()
         self.data = (x_test, y_test, x_ood)
         self.head = head
+        self.recompute_on = recompute_on
         self.rows = []
 
-    def on_epoch_end(self, epoch, logs=None):
+    def measure(self):
         x_test, y_test, x_ood = self.data
         scores = self.model.predict(x_test, batch_size=500, verbose=0)
         ood_scores = self.model.predict(x_ood, batch_size=500, verbose=0)
         certainty, ood_certainty = scores.max(1), ood_scores.max(1)
-        self.rows.append(
-            {
-                "epoch": epoch + 1,
-                "accuracy": float(np.mean(scores.argmax(1) == y_test)),
-                "auroc": evaluation.ood_metrics(certainty, ood_certainty)["auroc"],
-                "median_certainty": float(np.median(certainty)),
-                "train_accuracy": float(logs.get("accuracy", np.nan)),
-                "time_s": time.time() - self.start,
-            }
-        )
-        print(json.dumps(self.rows[-1]), flush=True)
+        return {
+            "accuracy": float(np.mean(scores.argmax(1) == y_test)),
+            "auroc": evaluation.ood_metrics(certainty, ood_certainty)["auroc"],
+            "median_certainty": float(np.median(certainty)),
+        }
+
+    def on_epoch_end(self, epoch, logs=None):
+        logs = logs or {}
+        row = {"epoch": epoch + 1, **self.measure()}
+        row["train_accuracy"] = float(logs.get("accuracy", np.nan))
+        if "batch_norm_gap" in logs:
+            row["batch_norm_gap"] = float(logs["batch_norm_gap"])
+        if self.recompute_on is not None:
+            variables = self.model.non_trainable_variables
+            saved = [keras.ops.convert_to_numpy(v) for v in variables]
+            keras_duq.recompute_batch_norm_statistics(self.model, self.recompute_on)
+            for key, value in self.measure().items():
+                row[f"{key}_recomputed"] = value
+            for variable, value in zip(variables, saved):
+                variable.assign(value)
+        row["time_s"] = time.time() - self.start
+        self.rows.append(row)
+        print(json.dumps(row), flush=True)
 
     def on_train_begin(self, logs=None):
         self.start = time.time()
@@ -231,12 +252,19 @@ def summarize(path, at_epochs=(1, 3, 10)):
     with open(path) as f:
         for line in f:
             record = json.loads(line)
-            key = (
-                record["backbone"],
-                record["head"],
-                json.dumps(record["wrap_kwargs"], sort_keys=True),
-            )
+            settings = json.dumps(record["wrap_kwargs"], sort_keys=True)
+            key = (record["backbone"], record["head"], settings)
             groups.setdefault(key, []).append(record)
+            if record.get("recompute_batch_norm"):
+                # The same run measured after re-estimating BatchNormalization
+                # statistics: a row of its own.
+                recomputed = dict(record, epochs=_recomputed(record["epochs"]))
+                key = (
+                    record["backbone"],
+                    record["head"] + ", BN re-estimated",
+                    settings,
+                )
+                groups.setdefault(key, []).append(recomputed)
     header = "| backbone | head | settings | seeds |"
     for epoch in at_epochs:
         header += f" epoch {epoch}: accuracy | AUROC per seed | AUROC mean |"
@@ -244,7 +272,8 @@ def summarize(path, at_epochs=(1, 3, 10)):
     for (backbone, head, settings), records in sorted(groups.items()):
         records.sort(key=lambda record: record["seed"])
         seeds = ", ".join(str(record["seed"]) for record in records)
-        row = f"| {backbone} | {head} | {settings if head == 'duq' else ''} | {seeds} |"
+        settings = settings if head.startswith("duq") else ""
+        row = f"| {backbone} | {head} | {settings} | {seeds} |"
         for epoch in at_epochs:
             rows = [
                 metrics
@@ -255,6 +284,20 @@ def summarize(path, at_epochs=(1, 3, 10)):
             row += epoch_cells(rows)
         lines.append(row)
     return "\n".join(lines)
+
+
+def _recomputed(rows):
+    """Per-epoch rows with the values measured after re-estimating statistics."""
+    suffix = "_recomputed"
+    return [
+        {"epoch": row["epoch"]}
+        | {
+            key[: -len(suffix)]: value
+            for key, value in row.items()
+            if key.endswith(suffix)
+        }
+        for row in rows
+    ]
 
 
 def epoch_cells(rows):
@@ -302,6 +345,12 @@ def main(argv=None):
         action="store_true",
         help="Put a keras.layers.Normalization, adapted on x_train, first.",
     )
+    parser.add_argument(
+        "--recompute-batch-norm",
+        action="store_true",
+        help="Also measure each epoch after re-estimating BatchNormalization "
+        "statistics on 10,000 training images (then put back).",
+    )
     parser.add_argument("--label", default="")
     parser.add_argument("--output", default="own_model_defaults.jsonl")
     args = parser.parse_args(argv)
@@ -335,7 +384,13 @@ def main(argv=None):
             loss="sparse_categorical_crossentropy",
             metrics=["accuracy"],
         )
-    metrics = EpochMetrics(x_test, y_test, x_ood, args.head)
+    metrics = EpochMetrics(
+        x_test,
+        y_test,
+        x_ood,
+        args.head,
+        recompute_on=x_train[:10000] if args.recompute_batch_norm else None,
+    )
     model.fit(
         x_train,
         y_train,
@@ -352,6 +407,7 @@ def main(argv=None):
         "feature_layer": args.feature_layer,
         "standardize": args.standardize,
         "input_normalization": args.input_normalization,
+        "recompute_batch_norm": args.recompute_batch_norm,
         "optimizer": args.optimizer,
         "seed": args.seed,
         "train_subset": args.train_subset,

@@ -184,6 +184,52 @@ def test_unsettled_batch_norm_statistics_warn_and_name_the_layer():
     assert "input_bn" in message and "recompute_batch_norm_statistics" in message
 
 
+def test_small_errors_in_many_batch_norm_layers_add_up_and_warn():
+    # Five BatchNormalization layers, each off by only 0.2 standard
+    # deviations of its output: together they move the features enough that
+    # inference mode computes something else than training.
+    layers = []
+    for i in range(5):
+        layers += [
+            keras.layers.Dense(16),
+            keras.layers.BatchNormalization(name=f"bn{i}"),
+        ]
+    model = _model(layers=layers)
+    x, y = _data(n=256)
+    with _Recorder() as recorder:
+        keras_duq.recompute_batch_norm_statistics(model, x, batch_size=len(x))
+        model.evaluate(x, y, batch_size=len(x), verbose=0)
+    assert recorder.health == []  # settled: no warning
+    for layer in layers[1::2]:
+        std = keras.ops.sqrt(layer.moving_variance + layer.epsilon)
+        layer.moving_mean.assign(layer.moving_mean + 0.2 * std)
+    comparison = _health._ModeComparison(model, x)
+    assert max(comparison.errors.values()) < 0.3
+    assert comparison.gap > _health.BATCH_NORM_GAP
+    with _Recorder() as recorder:
+        model.evaluate(x, y, batch_size=len(x), verbose=0)
+    (message,) = recorder.of(keras_duq.BatchNormStatisticsWarning)
+    assert "`evaluate`" in message and "bn" in message
+
+
+def test_dropout_after_settled_batch_norm_gives_no_warning():
+    # Dropout makes training-mode features differ from inference-mode ones
+    # by design; only the BatchNormalization statistics count.
+    model = _model(
+        layers=[
+            keras.layers.BatchNormalization(momentum=0.9),
+            keras.layers.Dense(16),
+            keras.layers.Dropout(0.5),
+        ]
+    )
+    x, y = _data(n=4 * STEPS)
+    with _Recorder() as recorder:
+        history = _fit(model, x, y, epochs=2).history
+        model.evaluate(x, y, verbose=0)
+    assert recorder.of(keras_duq.BatchNormStatisticsWarning) == []
+    assert history["batch_norm_gap"][-1] < _health.BATCH_NORM_GAP
+
+
 def test_centroid_that_never_received_its_class_warns():
     model = _model()
     x, y = _data(n=4 * STEPS)
@@ -236,9 +282,11 @@ def test_healthy_two_moons_model_gives_no_health_warning():
 
 def test_healthy_batch_norm_model_gives_no_health_warning():
     model = _model(layers=[keras.layers.BatchNormalization(momentum=0.9)])
-    x, y = _data(n=4 * STEPS, scale=10.0, shift=5.0)
+    # Batches of 32: with batches of 4 the moving statistics themselves
+    # scatter by about 0.1-0.2 standard deviations, a real gap.
+    x, y = _data(n=32 * STEPS, scale=10.0, shift=5.0)
     with _Recorder() as recorder:
-        history = _fit(model, x, y, epochs=2).history
+        history = _fit(model, x, y, epochs=2, batch_size=32).history
         # Inputs unlike the training data have other batch statistics by
         # nature: `predict` compares the modes on the training inputs.
         model.predict(-3.0 * x, verbose=0)
