@@ -22,7 +22,6 @@ compiled function on tensors of the step's shapes.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -38,20 +37,15 @@ import tensorflow as tf
 import keras_duq
 from keras_duq import _health
 from keras_duq.callbacks import HealthCheck
+from reproduction import fashion_mnist
 
-ROOT = Path(__file__).resolve().parents[1]
 FASHION_MNIST_STEPS_PER_EPOCH = 469
 
 
 def build(health_checks):
-    spec = importlib.util.spec_from_file_location(
-        "fashion_mnist", ROOT / "examples" / "fashion_mnist.py"
-    )
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
     keras.utils.set_random_seed(0)
     model = keras_duq.wrap(
-        example.build_backbone(),
+        fashion_mnist.build_backbone(),
         10,
         centroid_dims=256,
         gradient_penalty=0.05,

@@ -85,6 +85,35 @@ def test_own_model_summary_averages_each_setup_over_its_seeds(tmp_path):
     assert rows[3] == "| mlp | softmax |  | 0 | 0.500 | 0.500 | 0.500 | | | |"
 
 
+def test_own_model_summary_gives_re_estimated_statistics_a_row_of_their_own(tmp_path):
+    from benchmarks.own_model_defaults import summarize
+
+    epochs = [
+        {
+            "epoch": 1,
+            "accuracy": 0.6,
+            "auroc": 0.7,
+            "accuracy_recomputed": 0.9,
+            "auroc_recomputed": 0.8,
+        }
+    ]
+    record = {
+        "backbone": "batchnorm",
+        "head": "duq",
+        "wrap_kwargs": {},
+        "seed": 0,
+        "recompute_batch_norm": True,
+        "epochs": epochs,
+    }
+    path = tmp_path / "runs.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    rows = summarize(path, at_epochs=(1,)).splitlines()
+    assert rows[2:] == [
+        "| batchnorm | duq | {} | 0 | 0.600 | 0.700 | 0.700 |",
+        "| batchnorm | duq, BN re-estimated | {} | 0 | 0.900 | 0.800 | 0.800 |",
+    ]
+
+
 @pytest.mark.slow
 def test_tuning_fashion_mnist_quickstart_recipe_records_every_candidate(
     tmp_path, keras_home, mnist_dir
