@@ -611,9 +611,9 @@ class HealthCheck(keras.callbacks.Callback):
     - `KernelUnderflowWarning`: the kernel values of at least 90% of the
       examples are all below float32's smallest normal number, in training
       mode or in inference mode (validation data, `evaluate`, `predict`);
-    - `BatchNormStatisticsWarning`: inference-mode features more than 50%
-      (relative RMS distance) away from training-mode ones, with
-      BatchNormalization layers whose moving statistics are off;
+    - `BatchNormStatisticsWarning`: inference-mode features more than 20%
+      (relative RMS distance) away from those that BatchNormalization
+      statistics re-estimated on the batch would give;
     - `CentroidWarning`: a class whose centroid received no example during
       `fit`, or two overlapping centroids (the kernel value of one class at
       the other's centroid above 0.5);
@@ -635,8 +635,8 @@ class HealthCheck(keras.callbacks.Callback):
 
     At the end of each epoch it adds to the logs `centroid_overlap` (the
     largest kernel value of a class at another class's centroid) and, for
-    backbones with BatchNormalization, `batch_norm_gap` (the relative RMS
-    distance between inference- and training-mode features). The model
+    backbones with BatchNormalization, `batch_norm_gap` (that relative RMS
+    distance). The model
     itself logs `certainty`, `underflow` and `zero_input_gradient` per step.
 
     Example:
