@@ -10,7 +10,7 @@ change in the machine's load weighs on both alike. The per-step cost of the
 checks is the median over pairs of the ratio of the two step times, in wall
 time and in this process's CPU time (less sensitive to other processes). The
 once-per-epoch check (`HealthCheck.on_epoch_end`: centroid overlap,
-training- vs inference-mode features on one batch) and the end-of-`fit`
+the BatchNormalization comparison on one batch) and the end-of-`fit`
 checks are timed separately; the epoch check is expressed per step of a full
 FashionMNIST epoch (469 steps of 128). On a busy machine the pair ratios
 scatter; the per-step metric updates are therefore also timed alone, as a

@@ -2,8 +2,8 @@
 
 Four causes make DUQ's certainty meaningless without any error: kernel
 values that underflow for (nearly) every example, BatchNormalization moving
-statistics that have not settled (inference-mode features far from
-training-mode ones), centroids that never received their class or that sit
+statistics that have not settled (inference-mode features far from those
+that re-estimated statistics give), centroids that never received their class or that sit
 on another class's centroid, and a gradient penalty that is constant because
 the input gradients are zero. Each warns once per model with a subclass of
 `DUQHealthWarning`, naming the numbers and the fix.
@@ -99,7 +99,7 @@ class KernelUnderflowWarning(DUQHealthWarning):
 
 
 class BatchNormStatisticsWarning(DUQHealthWarning):
-    """Inference-mode features far from training-mode ones: BatchNormalization not settled."""
+    """Inference-mode features far from those of re-estimated BatchNormalization statistics."""
 
 
 class CentroidWarning(DUQHealthWarning):
@@ -134,7 +134,7 @@ _INPUT_SCALE_RANGE = (0.5, 2.0)
 
 
 # Per model: the causes it has warned about, the optimizer step at which its
-# inference-mode features were last compared with training-mode ones, its
+# BatchNormalization statistics were last compared with the batch's, its
 # centroid counts at the start of its first `fit` (with the step), a batch
 # of its last `fit`'s inputs, and whether `predict` is given OoD inputs.
 _STATE = weakref.WeakKeyDictionary()
