@@ -10,11 +10,12 @@ change in the machine's load weighs on both alike. The per-step cost of the
 checks is the median over pairs of the ratio of the two step times, in wall
 time and in this process's CPU time (less sensitive to other processes). The
 once-per-epoch check (`HealthCheck.on_epoch_end`: centroid overlap,
-the BatchNormalization comparison on one batch) and the end-of-`fit`
-checks are timed separately; the epoch check is expressed per step of a full
-FashionMNIST epoch (469 steps of 128). On a busy machine the pair ratios
-scatter; the per-step metric updates are therefore also timed alone, as a
-compiled function on tensors of the step's shapes.
+the BatchNormalization comparison on the sample `fit` draws, 512 examples in
+batches of 128) and the end-of-`fit` checks are timed separately; the epoch
+check is expressed per step of a full FashionMNIST epoch (469 steps of 128).
+On a busy machine the pair ratios scatter; the per-step metric updates are
+therefore also timed alone, as a compiled function on tensors of the step's
+shapes.
 
     python -m benchmarks.health_overhead --output benchmarks/health_overhead.json
 """
@@ -132,7 +133,12 @@ def main(argv=None):
     # The once-per-epoch and end-of-fit checks, on the model with checks
     # (the latter called directly: `fit` runs them only after start-up).
     model = models[True]
-    callback = HealthCheck(x)
+    sample, chunk_size = _health.sample_inputs(
+        rng.normal(size=(_health.SAMPLE_SIZE, *x.shape[1:])).astype("float32"),
+        args.batch_size,
+    )
+    callback = HealthCheck(sample)
+    callback._chunk_size = chunk_size
     callback.set_model(model)
     callback.on_train_begin()
     callback.on_epoch_begin(0)
@@ -140,7 +146,9 @@ def main(argv=None):
         warnings.simplefilter("ignore", keras_duq.DUQHealthWarning)
         epoch_end = seconds(lambda: callback.on_epoch_end(0, {}))
         train_end = seconds(
-            lambda: _health._check_final_state(model, x, "benchmark", training=True)
+            lambda: _health._check_final_state(
+                model, sample, "benchmark", training=True, chunk_size=chunk_size
+            )
         )
     per_epoch = epoch_end / (FASHION_MNIST_STEPS_PER_EPOCH * without)
     report = {
@@ -155,6 +163,7 @@ def main(argv=None):
         "backend": keras.backend.backend(),
         "pairs": args.pairs,
         "batch_size": args.batch_size,
+        "check_sample_size": _health.SAMPLE_SIZE,
         "median_step_ms": {
             "health_checks=True": round(1000 * with_checks, 2),
             "health_checks=False": round(1000 * without, 2),

@@ -3,15 +3,15 @@
 Four causes make DUQ's certainty meaningless without any error: kernel
 values that underflow for (nearly) every example, BatchNormalization moving
 statistics that have not settled (inference-mode features far from those
-that re-estimated statistics give), centroids that never received their class or that sit
-on another class's centroid, and a gradient penalty that is constant because
+that re-estimated statistics give), centroids that never received their
+class or that sit on another class's centroid, and a gradient penalty that is constant because
 the input gradients are zero. Each warns once per model with a subclass of
 `DUQHealthWarning`, naming the numbers and the fix.
 
 The numbers are measured cheaply: per batch inside the training and test
 steps, from tensors the step already has (logged as `certainty`, `underflow`
-and `zero_input_gradient`), and once per epoch, evaluate or predict on one
-batch of inputs (`batch_norm_gap`, `centroid_overlap`).
+and `zero_input_gradient`), and once per epoch, evaluate or predict on a
+sample of a few hundred inputs (`batch_norm_gap`, `centroid_overlap`).
 """
 
 from __future__ import annotations
@@ -51,14 +51,14 @@ MOST_EXAMPLES = 0.9
 # it is then within 2e-3 of 1, its value at a zero gradient).
 ZERO_GRADIENT_NORM = 1e-3
 # Relative RMS distance between the inference-mode features and those that
-# re-estimated BatchNormalization statistics would give, above which the
-# statistics warn. Per-layer errors of 0.1-0.2 standard deviations add up
-# over layers: a five-layer CNN measured 0.18-0.34 on 128 training images
-# after 1-3 epochs of Adam and lost 3.7 to 26 points of test accuracy to it; a
-# three-layer one measured 0.18-0.21 and lost 0.6 to 2.8; the paper's CNN
-# (momentum 0.9) 0.04-0.05, nothing lost. On 128 images the measure
-# scatters by about +-0.05.
-BATCH_NORM_GAP = 0.2
+# statistics re-estimated on the sample (`SAMPLE_SIZE` examples) would give,
+# above which the statistics warn. Per-layer errors of 0.1-0.2 standard
+# deviations add up over layers: after 1-3 epochs of Adam, a five-layer CNN
+# measured 0.20-0.33 on 512 training images and lost 3.7 to 26 points of
+# test accuracy to it; a three-layer one 0.07-0.13 (lost 0.6 to 2.8); the
+# paper's CNN (momentum 0.9) 0.04, nothing lost. Samples of 128 scattered
+# by about +-0.05, mostly from the batch statistics of dense layers.
+BATCH_NORM_GAP = 0.15
 # Kernel value of one class at another class's centroid above which the two
 # centroids overlap.
 CENTROID_OVERLAP = 0.5
@@ -71,9 +71,11 @@ UNSEEN_CLASS_SHARE = 1e-3
 # share to data.
 WARMUP_STEPS = 100
 WARMUP_DATA_SHARE = 0.5
-# Examples drawn from in-memory inputs for the once-per-epoch checks (at
-# least the batch size).
-SAMPLE_SIZE = 64
+# Examples drawn from the inputs for the once-per-epoch checks (at least
+# one batch), and the chunk size of their passes when the batch size is not
+# known (Keras's default batch size).
+SAMPLE_SIZE = 512
+DEFAULT_CHUNK_SIZE = 32
 _LISTED_LAYERS = 5
 
 
@@ -148,6 +150,7 @@ def _state(model):
             "compared_at": None,
             "centroid_start": None,
             "training_inputs": None,
+            "training_chunk_size": None,
             "out_of_distribution": 0,
         },
     )
@@ -268,11 +271,39 @@ def _positions(model):
     return {id(v): i for i, v in enumerate(model.non_trainable_variables)}
 
 
+def _average_statistics(model, layers, batches, keep_outputs=True):
+    """Training-mode outputs of `batches` and each layer's average batch `(mean, variance)`.
+
+    Averaged over the batches, weighted by their size, as SWA's `bn_update`
+    does: the value the moving averages would settle at if the weights
+    stopped changing. Changes nothing. Statistics are `None` without data;
+    outputs are an empty list unless `keep_outputs`.
+    """
+    totals = {layer: [0.0, 0.0] for layer in layers}
+    outputs = []
+    count = 0
+    for batch in batches:
+        size = int(keras.tree.flatten(batch)[0].shape[0])
+        output, statistics = _batch_norm_statistics(model, layers, batch)
+        if keep_outputs:
+            outputs.append(output)
+        for layer, (mean, variance) in statistics.items():
+            totals[layer][0] = totals[layer][0] + size * mean
+            totals[layer][1] = totals[layer][1] + size * variance
+        count += size
+    if count == 0:
+        return outputs, None
+    return outputs, {
+        layer: (mean_sum / count, variance_sum / count)
+        for layer, (mean_sum, variance_sum) in totals.items()
+    }
+
+
 def _with_statistics(model, statistics, inputs):
     """Inference-mode outputs with the moving statistics set to `statistics`, changing nothing.
 
-    `statistics`: `{layer: (mean, variance)}`. What the model would compute
-    after `recompute_batch_norm_statistics` on `inputs` as one batch.
+    `statistics`: `{layer: (mean, variance)}`, e.g. from `_average_statistics`:
+    what the model computes after `recompute_batch_norm_statistics`.
     """
     trainable = [v.value for v in model.trainable_variables]
     values = [v.value for v in model.non_trainable_variables]
@@ -298,31 +329,40 @@ def _normalisation_error(layer, mean, variance):
 
 
 class _ModeComparison:
-    """Training- and inference-mode features of one batch, and what they imply.
+    """Training- and inference-mode features of a sample, and what they imply.
 
     `gap` compares the inference-mode features with those the same inference
     pass gives with each BatchNormalization layer's moving statistics set to
-    the batch's: what `recompute_batch_norm_statistics` would change. Dropout
-    and other training-only layers are inactive in both, so they do not
-    count as a gap.
+    the sample's (averaged over chunks of `chunk_size`): what
+    `recompute_batch_norm_statistics` on the sample would change. Dropout and
+    other training-only layers are inactive in both, so they do not count as
+    a gap.
     """
 
-    def __init__(self, model, inputs):
+    def __init__(self, model, inputs, chunk_size=None):
         extractor = model.feature_extractor
         self.layers = _batch_norm_layers(extractor)
-        training, statistics = _batch_norm_statistics(extractor, self.layers, inputs)
-        inference = extractor(inputs, training=False)
+        chunks = _chunks(inputs, chunk_size or DEFAULT_CHUNK_SIZE)
+        training, statistics = _average_statistics(extractor, self.layers, chunks)
+        inference = [extractor(chunk, training=False) for chunk in chunks]
         self.underflow_training = _underflow_fraction(
-            model.duq_output.log_kernel_values(training)
+            model.duq_output.log_kernel_values(ops.concatenate(training))
         )
         self.underflow_inference = _underflow_fraction(
-            model.duq_output.log_kernel_values(inference)
+            model.duq_output.log_kernel_values(ops.concatenate(inference))
         )
+        self.size = int(keras.tree.flatten(inputs)[0].shape[0])
         self.gap = 0.0
         self.norms = (0.0, 0.0)
+        self.errors = {}
         if self.layers:
-            settled = _float64(_with_statistics(extractor, statistics, inputs))
-            inference = _float64(inference)
+            settled = np.concatenate(
+                [
+                    _float64(_with_statistics(extractor, statistics, chunk))
+                    for chunk in chunks
+                ]
+            )
+            inference = np.concatenate([_float64(f) for f in inference])
             self.gap = float(
                 np.linalg.norm(settled - inference)
                 / max(np.linalg.norm(settled), 1e-12)
@@ -331,13 +371,21 @@ class _ModeComparison:
                 float(np.linalg.norm(settled, axis=1).mean()),
                 float(np.linalg.norm(inference, axis=1).mean()),
             )
-        errors = {
-            layer: _normalisation_error(layer, *statistics[layer])
-            for layer in self.layers
-        }
+            self.errors = {
+                layer: _normalisation_error(layer, *statistics[layer])
+                for layer in self.layers
+            }
         # Worst first: the layers to look at.
-        self.ranked = sorted(self.layers, key=lambda layer: -errors[layer])
-        self.errors = errors
+        self.ranked = sorted(self.layers, key=lambda layer: -self.errors[layer])
+
+
+def _chunks(inputs, size):
+    """`inputs` (arrays or tensors, or a list or dict of them) in slices of `size` rows."""
+    count = int(keras.tree.flatten(inputs)[0].shape[0])
+    return [
+        keras.tree.map_structure(lambda a: a[start : start + size], inputs)
+        for start in range(0, count, size)
+    ]
 
 
 def _float64(value):
@@ -406,10 +454,11 @@ def _check_batch_norm(model, comparison, where):
         f"BatchNormalization moving statistics have not settled ({where}): in "
         "inference mode (`evaluate`, `predict`) the backbone's features are "
         f"{comparison.gap:.0%} away from those that statistics re-estimated on "
-        "the same batch give (relative RMS distance; mean feature norm "
+        f"a sample of {comparison.size} inputs give (relative RMS "
+        "distance; mean feature norm "
         f"{inference_norm:.3g} against {settled_norm:.3g}), so the kernel "
         "values in inference mode do not reflect what training learned. "
-        "Layers whose moving statistics differ most from the batch statistics "
+        "Layers whose moving statistics differ most from the sample's "
         "(error of the normalised output, in standard deviations; small "
         f"errors add up over layers): {listed}. Fix: re-estimate the "
         "statistics after training with "
@@ -545,20 +594,21 @@ def _check_constant_penalty(model, fraction, where):
     )
 
 
-def _compare_modes(model, inputs):
+def _compare_modes(model, inputs, chunk_size=None):
     """The `_ModeComparison` on `inputs` (or `None` without inputs)."""
     if inputs is None:
         return None
-    return _ModeComparison(model, inputs)
+    return _ModeComparison(model, inputs, chunk_size)
 
 
-def _check_final_state(model, inputs, where, training=False):
+def _check_final_state(model, inputs, where, training=False, chunk_size=None):
     """The checks of a model as it is now: on `inputs`, and of its centroids.
 
     `training`: whether `inputs` are training inputs, whose training-mode
-    kernel values are then checked too.
+    kernel values are then checked too. `chunk_size`: the batch size of the
+    passes over `inputs`.
     """
-    comparison = _compare_modes(model, inputs)
+    comparison = _compare_modes(model, inputs, chunk_size)
     if comparison is not None:
         _check_batch_norm(model, comparison, where)
         if training:
@@ -570,7 +620,7 @@ def _check_final_state(model, inputs, where, training=False):
 def check_predictions(model: DUQModel, kernel_values: Any) -> None:
     """The checks after `predict`: inference-mode underflow, unsettled BatchNormalization.
 
-    The modes are compared on a batch of the last `fit`'s inputs, not on
+    The modes are compared on a sample of the last `fit`'s inputs, not on
     `predict`'s own: on inputs unlike the training data (out of
     distribution, say) BatchNormalization's batch statistics differ from
     the moving ones by nature.
@@ -590,7 +640,9 @@ def check_predictions(model: DUQModel, kernel_values: Any) -> None:
     if "batch_norm" in state["warned"] or state["compared_at"] == _iterations(model):
         return
     if _batch_norm_layers(model.feature_extractor):
-        comparison = _compare_modes(model, state["training_inputs"])
+        comparison = _compare_modes(
+            model, state["training_inputs"], state["training_chunk_size"]
+        )
         if comparison is not None:
             _check_batch_norm(model, comparison, "`predict`")
 
@@ -611,9 +663,9 @@ class HealthCheck(keras.callbacks.Callback):
     - `KernelUnderflowWarning`: the kernel values of at least 90% of the
       examples are all below float32's smallest normal number, in training
       mode or in inference mode (validation data, `evaluate`, `predict`);
-    - `BatchNormStatisticsWarning`: inference-mode features more than 20%
+    - `BatchNormStatisticsWarning`: inference-mode features more than 15%
       (relative RMS distance) away from those that BatchNormalization
-      statistics re-estimated on the batch would give;
+      statistics re-estimated on the sample would give;
     - `CentroidWarning`: a class whose centroid received no example during
       `fit`, or two overlapping centroids (the kernel value of one class at
       the other's centroid above 0.5);
@@ -629,7 +681,7 @@ class HealthCheck(keras.callbacks.Callback):
     correction). From
     then on it checks each epoch's training and validation numbers (from
     the first epoch that starts after that) and, at its end, the model's
-    state (features in both modes on one batch, the centroids, the classes
+    state (features in both modes on the sample, the centroids, the classes
     seen). `evaluate` and `predict`, whose
     outputs are being used, check the model's state whenever they run.
 
@@ -644,26 +696,33 @@ class HealthCheck(keras.callbacks.Callback):
     ```python
     history = model.fit(
         x_train, y_train, epochs=10,
-        callbacks=[keras_duq.callbacks.HealthCheck(x_train[:128]),
+        callbacks=[keras_duq.callbacks.HealthCheck(x_train[:512], batch_size=128),
                    keras.callbacks.TensorBoard("logs")],
     )
     history.history["centroid_overlap"]
     ```
 
     Args:
-        inputs: optional batch of model inputs (an array, or a list or dict
-            of arrays, as `predict` takes them; a few dozen to a few hundred
-            examples) on which training- and inference-mode features are
-            compared (in `fit`, training inputs: `predict` then compares
-            the modes on them too). `fit` and `evaluate` pass a random batch
-            of their inputs when these are in-memory arrays, a
-            `tf.data.Dataset` or a `keras.utils.PyDataset`; `None` skips
-            these comparisons.
+        inputs: optional sample of model inputs (an array, or a list or
+            dict of arrays, as `predict` takes them; a few hundred examples)
+            on which training- and inference-mode features are compared (in
+            `fit`, training inputs: `predict` then compares the modes on
+            them too). `fit` and `evaluate` pass 512 random examples of
+            their inputs (or their first batches) when these are in-memory
+            arrays, a `tf.data.Dataset` or a `keras.utils.PyDataset`;
+            `None` skips these comparisons.
+        batch_size: int >= 1 or `None`, the batch size of the passes over
+            `inputs`, as in `predict`: BatchNormalization statistics are
+            averaged over batches of this size. `fit` and `evaluate` pass
+            their own. Defaults to `32`.
     """
 
-    def __init__(self, inputs: Any = None) -> None:
+    def __init__(self, inputs: Any = None, batch_size: int | None = None) -> None:
         super().__init__()
+        if batch_size is not None:
+            check_positive_int("batch_size", batch_size)
         self.inputs = inputs
+        self.batch_size = batch_size
         self._in_fit = False
         self._epoch_warmed_up = False
 
@@ -681,6 +740,7 @@ class HealthCheck(keras.callbacks.Callback):
         _record_centroid_start(model)
         if self.inputs is not None:
             _state(model)["training_inputs"] = self.inputs
+            _state(model)["training_chunk_size"] = self.batch_size
             _check_input_scale(model, self.inputs)
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
@@ -694,7 +754,7 @@ class HealthCheck(keras.callbacks.Callback):
             _check_underflow(model, logs.get("underflow"), "training", where)
             _check_constant_penalty(model, logs.get("zero_input_gradient"), where)
         if _batch_norm_layers(model.feature_extractor):
-            comparison = _compare_modes(model, self.inputs)
+            comparison = _compare_modes(model, self.inputs, self.batch_size)
             if comparison is not None:
                 logs["batch_norm_gap"] = comparison.gap
         logs["centroid_overlap"] = _centroid_overlap(model.duq_output)[0]
@@ -703,7 +763,13 @@ class HealthCheck(keras.callbacks.Callback):
         model = self._checked_model()
         self._in_fit = False
         if _warmed_up(model):
-            _check_final_state(model, self.inputs, "end of `fit`", training=True)
+            _check_final_state(
+                model,
+                self.inputs,
+                "end of `fit`",
+                training=True,
+                chunk_size=self.batch_size,
+            )
             _check_unseen_classes(model)
 
     def on_test_end(self, logs: dict | None = None) -> None:
@@ -711,7 +777,9 @@ class HealthCheck(keras.callbacks.Callback):
         logs = {} if logs is None else logs
         if not self._in_fit:
             _check_underflow(model, logs.get("underflow"), "inference", "`evaluate`")
-            _check_final_state(model, self.inputs, "`evaluate`")
+            _check_final_state(
+                model, self.inputs, "`evaluate`", chunk_size=self.batch_size
+            )
         elif self._epoch_warmed_up:
             _check_underflow(
                 model, logs.get("underflow"), "inference", "validation data"
@@ -779,36 +847,54 @@ def with_health_check(
     callbacks = list(callbacks or [])
     if any(isinstance(callback, HealthCheck) for callback in callbacks):
         return args, kwargs
-    inputs = sample_inputs(arguments.get("x"), arguments.get("batch_size"))
-    arguments["callbacks"] = [HealthCheck(inputs)] + callbacks
+    inputs, chunk_size = sample_inputs(arguments.get("x"), arguments.get("batch_size"))
+    arguments["callbacks"] = [HealthCheck(inputs, batch_size=chunk_size)] + callbacks
     return bound.args, bound.kwargs
 
 
-def sample_inputs(x: Any, batch_size: int | None = None) -> Any:
-    """A batch of inputs from `x` for the mode comparison, or `None`.
+def sample_inputs(x: Any, batch_size: int | None = None) -> tuple[Any, int | None]:
+    """`(inputs, chunk_size)`: a sample of `x` for the mode comparison, and its batch size.
 
-    In-memory arrays give a random sample (data sorted by class would bias
-    the first rows); a `tf.data.Dataset` its first batch, a `PyDataset` its
-    first item. Generators are not touched: reading them would consume data.
+    About `SAMPLE_SIZE` examples (at least one batch): a random sample of
+    in-memory arrays (data sorted by class would bias the first rows), the
+    first batches of a `tf.data.Dataset` or a `PyDataset`. `chunk_size` is
+    the batch size to pass them in: `batch_size`, or the dataset's. Inputs
+    are `None` for generators: reading them would consume data.
     """
     if x is None:
-        return None
+        return None, None
     if isinstance(x, keras.utils.PyDataset):
-        return _as_arrays(_inputs_of(x[0]))
+        count = x.num_batches
+        return _first_batches(x[i] for i in range(count if count else 2**31))
     tf = sys.modules.get("tensorflow")
     if tf is not None and isinstance(x, tf.data.Dataset):
-        for element in x.take(1):
-            return _as_arrays(_inputs_of(element))
-        return None
+        return _first_batches(iter(x))
     arrays = keras.tree.flatten(x)
     if not arrays or not all(hasattr(a, "shape") and len(a.shape) for a in arrays):
-        return None
+        return None, None
     count = int(arrays[0].shape[0])
     if count == 0 or any(int(a.shape[0]) != count for a in arrays):
-        return None
+        return None, None
     size = min(count, max(batch_size or 0, SAMPLE_SIZE))
     rows = np.sort(np.random.default_rng(0).choice(count, size=size, replace=False))
-    return keras.tree.map_structure(lambda a: np.asarray(a)[rows], x)
+    sample = keras.tree.map_structure(lambda a: np.asarray(a)[rows], x)
+    return sample, batch_size
+
+
+def _first_batches(elements):
+    """`(inputs, first batch size)` of the first batches that hold `SAMPLE_SIZE` examples."""
+    batches = []
+    count = 0
+    for element in elements:
+        batches.append(_as_arrays(_inputs_of(element)))
+        count += int(keras.tree.flatten(batches[-1])[0].shape[0])
+        if count >= SAMPLE_SIZE:
+            break
+    if not batches:
+        return None, None
+    chunk_size = int(keras.tree.flatten(batches[0])[0].shape[0])
+    sample = keras.tree.map_structure(lambda *arrays: np.concatenate(arrays), *batches)
+    return sample, chunk_size
 
 
 def _inputs_of(element):
@@ -879,23 +965,16 @@ def recompute_batch_norm_statistics(
             "with `trainable=False` or `momentum=1`): there is nothing to "
             f"re-estimate. Received: `model={model.name!r}`"
         )
-    totals = {layer: [0.0, 0.0] for layer in layers}
-    count = 0
-    for batch in _batches(data, batch_size, steps):
-        size = int(keras.tree.flatten(batch)[0].shape[0])
-        _, statistics = _batch_norm_statistics(model, layers, batch)
-        for layer, (mean, variance) in statistics.items():
-            totals[layer][0] = totals[layer][0] + size * mean
-            totals[layer][1] = totals[layer][1] + size * variance
-        count += size
-    if count == 0:
+    _, statistics = _average_statistics(
+        model, layers, _batches(data, batch_size, steps), keep_outputs=False
+    )
+    if statistics is None:
         raise ValueError(
             "`recompute_batch_norm_statistics` received no data: pass "
             "training inputs with at least one example. Received: an empty "
             "`data`"
         )
-    for layer, (mean_sum, variance_sum) in totals.items():
-        mean, variance = mean_sum / count, variance_sum / count
+    for layer, (mean, variance) in statistics.items():
         layer.moving_mean.assign(mean.astype(layer.moving_mean.dtype))
         layer.moving_variance.assign(variance.astype(layer.moving_variance.dtype))
         if getattr(layer, "renorm", False):

@@ -346,16 +346,46 @@ def test_health_check_callback_given_by_the_user_replaces_the_automatic_one():
     softmax.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
     with pytest.raises(ValueError, match="`HealthCheck` checks DUQ models"):
         softmax.fit(x, y, epochs=1, verbose=0, callbacks=[HealthCheck()])
+    with pytest.raises(ValueError, match="batch_size"):
+        HealthCheck(x, batch_size=0)
 
 
 def test_inputs_are_sampled_from_arrays_datasets_and_py_datasets():
-    x, y = _data(n=300)
-    sample = _health.sample_inputs(x, batch_size=32)
-    assert sample.shape == (_health.SAMPLE_SIZE, 4)
+    x, y = _data(n=1000)
+    sample, chunk_size = _health.sample_inputs(x, batch_size=32)
+    assert sample.shape == (_health.SAMPLE_SIZE, 4) and chunk_size == 32
     assert {tuple(row) for row in sample} <= {tuple(row) for row in x}
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
-    np.testing.assert_array_equal(_health.sample_inputs(dataset), x[:16])
-    assert _health.sample_inputs(iter([x])) is None  # generators are not read
+    sample, chunk_size = _health.sample_inputs(dataset)
+    np.testing.assert_array_equal(sample, x[: _health.SAMPLE_SIZE])
+    assert chunk_size == 16
+
+    class Batches(keras.utils.PyDataset):
+        def __len__(self):
+            return 10
+
+        def __getitem__(self, index):
+            rows = slice(100 * index, 100 * (index + 1))
+            return x[rows], y[rows]
+
+    sample, chunk_size = _health.sample_inputs(Batches())
+    np.testing.assert_array_equal(sample, x[:600])  # whole batches
+    assert chunk_size == 100
+    # Generators are not read.
+    assert _health.sample_inputs(iter([x])) == (None, None)
+
+
+def test_the_mode_comparison_does_not_depend_on_the_chunk_size():
+    # A settled model: its statistics re-estimated on the same sample, in
+    # the same chunks, leave nothing to compare; other chunk sizes give
+    # other (slightly different) batch statistics but the same verdict.
+    layers = [keras.layers.Dense(16), keras.layers.BatchNormalization()]
+    model = _model(layers=layers)
+    x, _ = _data(n=512)
+    keras_duq.recompute_batch_norm_statistics(model, x, batch_size=64)
+    assert _health._ModeComparison(model, x, chunk_size=64).gap < 1e-5
+    for chunk_size in (32, 100, 512):
+        assert _health._ModeComparison(model, x, chunk_size).gap < 0.05
 
 
 # ------------------------------------------------------------ the BN fix
@@ -462,7 +492,7 @@ def test_jax_backend_warns_too():
             unsettled.evaluate(5.0 + 10.0 * x, y, verbose=0)
         names = keras_duq.recompute_batch_norm_statistics(unsettled, 5.0 + 10.0 * x, batch_size=400)
         from keras_duq import _health
-        gap = _health._ModeComparison(unsettled, 5.0 + 10.0 * x).gap
+        gap = _health._ModeComparison(unsettled, 5.0 + 10.0 * x, chunk_size=400).gap
         print(json.dumps({
             "warnings": sorted({w.category.__name__ for w in record
                                 if issubclass(w.category, keras_duq.DUQHealthWarning)}),
