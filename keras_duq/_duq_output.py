@@ -98,6 +98,9 @@ class DUQOutput(keras.layers.Layer):
             `RandomNormal(stddev=1.0)`, see the README).
         trainable_length_scale: bool, whether to learn one length scale per
             class by gradient descent. Defaults to `False`.
+        trainable_projection: bool, whether `W` is learned (as in the
+            paper) or stays at its random initial value, a fixed random
+            projection of the features. Defaults to `True`.
         bias_correction: bool, whether the centroid moving average is
             bias-corrected (as Adam's moment estimates are). `False` starts
             the state as the paper does, as if every class had already been
@@ -130,6 +133,7 @@ class DUQOutput(keras.layers.Layer):
         ),
         trainable_length_scale: bool = False,
         bias_correction: bool = False,
+        trainable_projection: bool = True,
         **kwargs: Any,
     ) -> None:
         dtype = kwargs.pop("dtype", None)
@@ -163,6 +167,7 @@ class DUQOutput(keras.layers.Layer):
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.trainable_length_scale = bool(trainable_length_scale)
         self.bias_correction = bool(bias_correction)
+        self.trainable_projection = bool(trainable_projection)
         self.input_spec = keras.layers.InputSpec(ndim=2)
 
     def build(self, input_shape: tuple) -> None:
@@ -181,7 +186,7 @@ class DUQOutput(keras.layers.Layer):
             name="kernel",
             shape=(features, dims * self.num_classes),
             initializer=self.kernel_initializer,
-            trainable=True,
+            trainable=self.trainable_projection,
         )
         self.length_scales = self.add_weight(
             name="length_scales",
@@ -277,6 +282,7 @@ class DUQOutput(keras.layers.Layer):
                     self.kernel_initializer
                 ),
                 "trainable_length_scale": self.trainable_length_scale,
+                "trainable_projection": self.trainable_projection,
                 "bias_correction": self.bias_correction,
             }
         )

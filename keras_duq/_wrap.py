@@ -31,6 +31,7 @@ def wrap(
     bce_epsilon: float = 0.0,
     trainable_length_scale: bool = False,
     bias_correction: bool = False,
+    trainable_projection: bool = True,
     health_checks: bool = True,
     penalty_input: str | None = None,
     input_shape: Sequence[int | None] | None = None,
@@ -99,6 +100,9 @@ def wrap(
             Defaults to `False`.
         bias_correction: bool, bias-correct the centroid moving average
             (see `DUQOutput`). Defaults to `False`.
+        trainable_projection: bool, learn the per-class projections `W`
+            (as in the paper), or keep them at their random initial values
+            (see `DUQOutput`). Defaults to `True`.
         health_checks: bool, whether `fit`, `evaluate` and `predict` warn
             (once per cause, with a `keras_duq.DUQHealthWarning`) about
             DUQ's failure modes and log the numbers behind them (see
@@ -141,6 +145,7 @@ def wrap(
         kernel_initializer=kernel_initializer,
         trainable_length_scale=trainable_length_scale,
         bias_correction=bias_correction,
+        trainable_projection=trainable_projection,
         name="duq_output",
     )(features)
     return DUQModel(

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -205,3 +206,33 @@ def test_tuning_summary_puts_seeds_side_by_side_and_follows_reused_runs(tmp_path
         in table
     )
     assert "| paper | 0.1 / 0.05, 0.1 / 0.05 | 0.500 | 0.600, 0.400 | 0.500 |" in table
+
+
+def test_ood_feature_statistics_see_digits_mapped_onto_one_class():
+    from benchmarks.ood_features import feature_statistics
+
+    # Two classes at +-3 along the first axis; "OoD" inputs on class 1's
+    # side but twice as far, so the head is sure of them while the distance
+    # to the nearest class mean gives them away.
+    rng = np.random.default_rng(0)
+    labels = np.arange(400) % 2
+    features = rng.normal(size=(400, 2)) + np.where(labels[:, None] == 1, 3.0, -3.0) * [
+        1.0,
+        0.0,
+    ]
+    ood = rng.normal(size=(100, 2)) + [9.0, 0.0]
+
+    def softmax_of(f):
+        logits = np.stack([-f[:, 0], f[:, 0]], axis=1)
+        e = np.exp(logits - logits.max(axis=1, keepdims=True))
+        return e / e.sum(axis=1, keepdims=True)
+
+    result = feature_statistics(
+        features, labels, features, labels, ood, softmax_of(features), softmax_of(ood)
+    )
+    assert result["ood_predicted_class_share"] == [0.0, 1.0]
+    assert result["accuracy"] > 0.99
+    assert result["auroc_max_probability"] < 0.3  # the head prefers the OoD inputs
+    assert result["auroc_nearest_mean_distance"] > 0.99
+    assert result["ood_median_nearest_mean_distance"] > 20.0
+    assert len(result["feature_norm_per_class"]) == 2

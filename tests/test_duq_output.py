@@ -147,6 +147,7 @@ def test_config_round_trip():
         momentum=0.99,
         kernel_initializer=keras.initializers.RandomNormal(stddev=0.05),
         trainable_length_scale=True,
+        trainable_projection=False,
         name="head",
     )
     config = layer.get_config()

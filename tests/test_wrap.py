@@ -119,6 +119,25 @@ def test_frozen_backbone_trains_only_the_head():
     assert not np.array_equal(head_kernel, model.duq_output.kernel.numpy())
 
 
+def test_fixed_projection_trains_only_the_backbone(tmp_path):
+    backbone = keras.Sequential([keras.Input((5,)), keras.layers.Dense(6)])
+    model = keras_duq.wrap(backbone, num_classes=2, trainable_projection=False)
+    assert not model.duq_output.kernel.trainable
+    head_kernel = keras.ops.convert_to_numpy(model.duq_output.kernel).copy()
+    backbone_kernel = keras.ops.convert_to_numpy(backbone.weights[0]).copy()
+    x = np.random.default_rng(0).normal(size=(8, 5)).astype("float32")
+    _train_one_step(model, x, 2)
+    np.testing.assert_array_equal(
+        head_kernel, keras.ops.convert_to_numpy(model.duq_output.kernel)
+    )
+    assert not np.array_equal(
+        backbone_kernel, keras.ops.convert_to_numpy(backbone.weights[0])
+    )
+    model.save(tmp_path / "model.keras")
+    restored = keras.models.load_model(tmp_path / "model.keras")
+    assert not restored.duq_output.kernel.trainable
+
+
 @pytest.mark.parametrize("kind", ["conv1d", "gru"])
 def test_sequence_backbone(kind):
     layers = [keras.Input((12, 3))]
