@@ -78,6 +78,9 @@ WARMUP_DATA_SHARE = 0.5
 # known (Keras's default batch size).
 SAMPLE_SIZE = 512
 DEFAULT_CHUNK_SIZE = 32
+# ... and fewer for large inputs: the sample is kept with the model and
+# passed three times per check (e.g. 111 images of 224x224x3 float32).
+SAMPLE_BYTES = 64 * 2**20
 _LISTED_LAYERS = 5
 
 
@@ -710,9 +713,9 @@ class HealthCheck(keras.callbacks.Callback):
             on which training- and inference-mode features are compared (in
             `fit`, training inputs: `predict` then compares the modes on
             them too). `fit` and `evaluate` pass 512 random examples of
-            their inputs (or their first batches) when these are in-memory
-            arrays, a `tf.data.Dataset` or a `keras.utils.PyDataset`;
-            `None` skips these comparisons.
+            their inputs (fewer for large inputs; or their first batches)
+            when these are in-memory arrays, a `tf.data.Dataset` or a
+            `keras.utils.PyDataset`; `None` skips these comparisons.
         batch_size: int >= 1 or `None`, the batch size of the passes over
             `inputs`, as in `predict`: BatchNormalization statistics are
             averaged over batches of this size. `fit` and `evaluate` pass
@@ -857,7 +860,8 @@ def with_health_check(
 def sample_inputs(x: Any, batch_size: int | None = None) -> tuple[Any, int | None]:
     """`(inputs, chunk_size)`: a sample of `x` for the mode comparison, and its batch size.
 
-    About `SAMPLE_SIZE` examples (at least one batch): a random sample of
+    About `SAMPLE_SIZE` examples, fewer where they would take more than
+    `SAMPLE_BYTES` (but at least one batch): a random sample of
     in-memory arrays (data sorted by class would bias the first rows), the
     first batches of a `tf.data.Dataset` or a `PyDataset`. `chunk_size` is
     the batch size to pass them in: `batch_size`, or the dataset's. Inputs
@@ -877,10 +881,20 @@ def sample_inputs(x: Any, batch_size: int | None = None) -> tuple[Any, int | Non
     count = int(arrays[0].shape[0])
     if count == 0 or any(int(a.shape[0]) != count for a in arrays):
         return None, None
-    size = min(count, max(batch_size or 0, SAMPLE_SIZE))
+    size = min(count, max(batch_size or 0, _sample_size(arrays)))
     rows = np.sort(np.random.default_rng(0).choice(count, size=size, replace=False))
     sample = keras.tree.map_structure(lambda a: np.asarray(a)[rows], x)
     return sample, batch_size
+
+
+def _sample_size(arrays):
+    """`SAMPLE_SIZE`, or fewer examples of `arrays` (a batch) within `SAMPLE_BYTES`."""
+    per_example = sum(
+        np.dtype(getattr(a, "dtype", "float32")).itemsize
+        * int(np.prod(a.shape[1:], dtype=np.int64))
+        for a in arrays
+    )
+    return max(1, min(SAMPLE_SIZE, SAMPLE_BYTES // max(per_example, 1)))
 
 
 def _first_batches(elements):
@@ -889,8 +903,9 @@ def _first_batches(elements):
     count = 0
     for element in elements:
         batches.append(_as_arrays(_inputs_of(element)))
-        count += int(keras.tree.flatten(batches[-1])[0].shape[0])
-        if count >= SAMPLE_SIZE:
+        arrays = keras.tree.flatten(batches[-1])
+        count += int(arrays[0].shape[0])
+        if count >= _sample_size(arrays):
             break
     if not batches:
         return None, None

@@ -373,6 +373,12 @@ def test_inputs_are_sampled_from_arrays_datasets_and_py_datasets():
     assert chunk_size == 100
     # Generators are not read.
     assert _health.sample_inputs(iter([x])) == (None, None)
+    # Large inputs: fewer examples, within the byte budget, but a whole batch.
+    images = np.zeros((300, 224, 224, 3), "float32")
+    sample, _ = _health.sample_inputs(images, batch_size=32)
+    assert len(sample) == _health.SAMPLE_BYTES // (224 * 224 * 3 * 4) == 111
+    sample, _ = _health.sample_inputs(images, batch_size=256)
+    assert len(sample) == 256
 
 
 def test_the_mode_comparison_does_not_depend_on_the_chunk_size():
