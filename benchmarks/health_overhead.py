@@ -137,8 +137,7 @@ def main(argv=None):
         rng.normal(size=(_health.SAMPLE_SIZE, *x.shape[1:])).astype("float32"),
         args.batch_size,
     )
-    callback = HealthCheck(sample)
-    callback._chunk_size = chunk_size
+    callback = HealthCheck(sample, batch_size=chunk_size)
     callback.set_model(model)
     callback.on_train_begin()
     callback.on_epoch_begin(0)

@@ -6,12 +6,12 @@ default rate, batch 128), then compares its features (the backbone's
 output) on the FashionMNIST test set and on the MNIST test digits: which
 class the head gives the digits, the mean feature norm per class, the
 squared distance to the nearest class mean (of the features of the first
-10,000 training images), and the
-AUROC (FashionMNIST against MNIST) of three scores: the largest softmax
-probability, the feature norm and the negative distance to the nearest
-class mean. A backbone that maps the digits onto one class's region gives
-any head on it little to separate them by; one that maps them far from
-every class mean leaves a distance-based head something to find.
+10,000 training images), and the AUROC (FashionMNIST against MNIST) of
+three scores: the largest softmax probability, the feature norm and the
+negative distance to the nearest class mean. A backbone that maps the
+digits onto one class's region gives any head on it little to separate
+them by; one that maps them far from every class mean leaves a
+distance-based head something to find.
 
     KERAS_HOME=../shared/data/keras python -m benchmarks.ood_features \\
         --backbone quickstart --epochs 1 --seed 0 \\

@@ -5,8 +5,8 @@ values that underflow for (nearly) every example, BatchNormalization moving
 statistics that have not settled (inference-mode features far from those
 that re-estimated statistics give), centroids that never received their
 class or that sit on another class's centroid, and a gradient penalty that
-is constant because the input gradients are zero. Each warns once per model with a subclass of
-`DUQHealthWarning`, naming the numbers and the fix.
+is constant because the input gradients are zero. Each warns once per model
+with a subclass of `DUQHealthWarning`, naming the numbers and the fix.
 
 The numbers are measured cheaply: per batch inside the training and test
 steps, from tensors the step already has (logged as `certainty`, `underflow`
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 import sys
 import warnings
 import weakref
@@ -141,9 +142,10 @@ _INPUT_SCALE_RANGE = (0.5, 2.0)
 
 
 # Per model: the causes it has warned about, the optimizer step at which its
-# BatchNormalization statistics were last compared with the batch's, its
-# centroid counts at the start of its first `fit` (with the step), a batch
-# of its last `fit`'s inputs, and whether `predict` is given OoD inputs.
+# BatchNormalization statistics were last compared with the sample's, its
+# centroid counts at the start of its first `fit` (with the step), a sample
+# of its last `fit`'s inputs with their batch size, and whether `predict` is
+# given OoD inputs.
 _STATE = weakref.WeakKeyDictionary()
 
 
@@ -871,7 +873,8 @@ def sample_inputs(x: Any, batch_size: int | None = None) -> tuple[Any, int | Non
         return None, None
     if isinstance(x, keras.utils.PyDataset):
         count = x.num_batches
-        return _first_batches(x[i] for i in range(count if count else 2**31))
+        indices = itertools.count() if count is None else range(count)
+        return _first_batches(x[i] for i in indices)
     tf = sys.modules.get("tensorflow")
     if tf is not None and isinstance(x, tf.data.Dataset):
         return _first_batches(iter(x))
@@ -898,7 +901,7 @@ def _sample_size(arrays):
 
 
 def _first_batches(elements):
-    """`(inputs, first batch size)` of the first batches that hold `SAMPLE_SIZE` examples."""
+    """`(inputs, first batch size)` of the first batches that hold a sample (`_sample_size`)."""
     batches = []
     count = 0
     for element in elements:
@@ -1026,15 +1029,9 @@ def _batches(data, batch_size, steps):
                 return
             yield _as_arrays(_inputs_of(element))
         return
-    arrays = keras.tree.flatten(data)
-    count = int(arrays[0].shape[0])
-    starts = range(0, count, batch_size)
-    if steps is not None:
-        starts = starts[:steps]
-    for start in starts:
-        yield keras.tree.map_structure(
-            lambda a: np.asarray(a[start : start + batch_size]), data
-        )
+    chunks = _chunks(data, batch_size)
+    for chunk in chunks if steps is None else chunks[:steps]:
+        yield keras.tree.map_structure(np.asarray, chunk)
 
 
 _ENDLESS_MESSAGE = (
