@@ -212,7 +212,9 @@ def test_small_errors_in_many_batch_norm_layers_add_up_and_warn():
     assert "`evaluate`" in message and "bn" in message
 
 
-def test_dropout_after_settled_batch_norm_gives_no_warning():
+def test_dropout_after_settled_batch_norm_gives_no_warning(monkeypatch):
+    # Epochs of a few milliseconds: measure `batch_norm_gap` at each one.
+    monkeypatch.setattr(_health, "CHECK_TIME_SHARE", float("inf"))
     # Dropout makes training-mode features differ from inference-mode ones
     # by design; only the BatchNormalization statistics count.
     model = _model(
@@ -228,6 +230,23 @@ def test_dropout_after_settled_batch_norm_gives_no_warning():
         model.evaluate(x, y, verbose=0)
     assert recorder.of(keras_duq.BatchNormStatisticsWarning) == []
     assert history["batch_norm_gap"][-1] < _health.BATCH_NORM_GAP
+
+
+def test_per_epoch_comparison_stays_within_its_share_of_training_time(monkeypatch):
+    # A share of 0: the first epoch is measured (nothing spent yet), then
+    # every comparison would exceed the share, in later `fit` calls too.
+    monkeypatch.setattr(_health, "CHECK_TIME_SHARE", 0.0)
+    model = _model(layers=[keras.layers.BatchNormalization(momentum=0.9)])
+    x, y = _data(n=4 * STEPS)
+    with _Recorder():
+        gaps = _fit(model, x, y, epochs=3).history["batch_norm_gap"]
+        later = _fit(model, x, y, epochs=2).history["batch_norm_gap"]
+    assert np.isfinite(gaps[0]) and np.isnan(gaps[1:] + later).all()
+    # An unbounded share measures every epoch.
+    monkeypatch.setattr(_health, "CHECK_TIME_SHARE", float("inf"))
+    with _Recorder():
+        gaps = _fit(model, x, y, epochs=2).history["batch_norm_gap"]
+    assert np.isfinite(gaps).all()
 
 
 def test_centroid_that_never_received_its_class_warns():
@@ -280,7 +299,9 @@ def test_healthy_two_moons_model_gives_no_health_warning():
     assert history["val_accuracy"][-1] > 0.9  # trained, not merely quiet
 
 
-def test_healthy_batch_norm_model_gives_no_health_warning():
+def test_healthy_batch_norm_model_gives_no_health_warning(monkeypatch):
+    # Epochs of a few milliseconds: measure `batch_norm_gap` at each one.
+    monkeypatch.setattr(_health, "CHECK_TIME_SHARE", float("inf"))
     model = _model(layers=[keras.layers.BatchNormalization(momentum=0.9)])
     # Batches of 32: with batches of 4 the moving statistics themselves
     # scatter by about 0.1-0.2 standard deviations, a real gap.

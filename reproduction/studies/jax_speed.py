@@ -12,7 +12,12 @@ machines with JAX or PyTorch only), and runs on a CPU too:
 A step time is the wall time of one `fit` call of `--steps` steps divided by
 the steps, after a compiling call; the median of `--repeats` calls. It
 includes Keras's per-step overhead, as a user's `fit` does. Inference is
-the median time of `predict_on_batch` on 1000 images. `--output` is
+the median time of `predict_on_batch` on 1000 images. DUQ models are
+built with `health_checks=False` unless `--health-checks` is given: the
+checks add metrics to each step (benchmarks/health_overhead.py measures
+them) and, for backbones with BatchNormalization, passes over a sample at
+the end of an epoch and of `fit`, a cost per `fit` call that the short
+`fit` calls here would spread over a few steps. `--output` is
 rewritten after every model, so a run stopped early keeps what it measured.
 On GPUs, set `--matmul-precision highest` to keep JAX (or PyTorch's
 matmuls and cuDNN convolutions) from using TF32 in float32, for a
@@ -72,7 +77,7 @@ def cifar_resnet18():
 NETWORKS = {"fashion_mnist_cnn": fashion_mnist_cnn, "cifar_resnet18": cifar_resnet18}
 
 
-def build(kind, make_backbone):
+def build(kind, make_backbone, health_checks=False):
     backbone, shape, centroid_dims = make_backbone()
     optimizer = keras.optimizers.SGD(0.05, momentum=0.9)
     if kind == "softmax":
@@ -87,6 +92,7 @@ def build(kind, make_backbone):
             centroid_dims=centroid_dims,
             length_scale=0.1,
             gradient_penalty=0.5 if kind == "duq_penalty" else 0.0,
+            health_checks=health_checks,
         )
         model.compile(optimizer=optimizer)
     return model, shape
@@ -178,6 +184,11 @@ def main(argv=None):
     parser.add_argument(
         "--matmul-precision", default=None, choices=(None, "highest", "default")
     )
+    parser.add_argument(
+        "--health-checks",
+        action="store_true",
+        help="Build the DUQ models with their health checks (see the docstring).",
+    )
     parser.add_argument("--output", default=None)
     args = parser.parse_args(argv)
     if args.matmul_precision:
@@ -192,6 +203,7 @@ def main(argv=None):
         "batch_size": args.batch_size,
         "steps": args.steps,
         "matmul_precision": args.matmul_precision,
+        "health_checks": args.health_checks,
         "ms_per_step": {},
     }
     for network in args.networks:
@@ -201,7 +213,7 @@ def main(argv=None):
             row = report["ms_per_step"][f"{network}/{policy}"] = {}
             for kind in args.kinds:
                 keras.utils.set_random_seed(0)
-                model, shape = build(kind, make_backbone)
+                model, shape = build(kind, make_backbone, args.health_checks)
                 median, times, first_fit_s = time_steps(
                     model, shape, args.batch_size, args.steps, args.repeats
                 )
