@@ -168,12 +168,33 @@ def append_feature_layer(backbone, kind):
     return keras.Sequential([backbone, layer])
 
 
-def make_optimizer(name):
+def make_optimizer(name, projection_learning_rate=1.0):
+    """The optimizer; `projection_learning_rate` scales its rate for DUQ's `W`.
+
+    Keras optimizers have no per-variable rate, so this one scales the rate
+    in `update_step` for the variable named `duq_output/kernel` (TensorFlow
+    backend: the step sees the backend's variables, matched by name).
+    """
     if name == "adam":
-        return keras.optimizers.Adam()
-    if name == "sgd":
-        return keras.optimizers.SGD(0.05, momentum=0.9)
-    raise ValueError(f"Unknown optimizer. Received: {name!r}")
+        base = keras.optimizers.Adam
+        kwargs = {}
+    elif name == "sgd":
+        base = keras.optimizers.SGD
+        kwargs = {"learning_rate": 0.05, "momentum": 0.9}
+    else:
+        raise ValueError(f"Unknown optimizer. Received: {name!r}")
+    if projection_learning_rate == 1.0:
+        return base(**kwargs)
+    if keras.backend.backend() != "tensorflow":
+        raise ValueError("--projection-learning-rate needs the TensorFlow backend.")
+
+    class SlowProjection(base):
+        def update_step(self, gradient, variable, learning_rate):
+            if variable.name.startswith("duq_output/kernel"):
+                learning_rate = learning_rate * projection_learning_rate
+            return super().update_step(gradient, variable, learning_rate)
+
+    return SlowProjection(**kwargs)
 
 
 def load(mnist_path, train_subset, standardize=False):
@@ -324,6 +345,12 @@ def main(argv=None):
     parser.add_argument("--head", choices=("duq", "softmax"), default="duq")
     parser.add_argument("--wrap-json", default="{}")
     parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    parser.add_argument(
+        "--projection-learning-rate",
+        type=float,
+        default=1.0,
+        help="Multiplies the optimizer's rate for DUQ's projection W (TensorFlow).",
+    )
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
@@ -374,7 +401,9 @@ def main(argv=None):
     wrap_kwargs = json.loads(args.wrap_json)
     if args.head == "duq":
         model = keras_duq.wrap(backbone, 10, **wrap_kwargs)
-        model.compile(optimizer=make_optimizer(args.optimizer))
+        model.compile(
+            optimizer=make_optimizer(args.optimizer, args.projection_learning_rate)
+        )
     else:
         model = keras.Sequential(
             [backbone, keras.layers.Dense(10, activation="softmax")]
@@ -409,6 +438,7 @@ def main(argv=None):
         "input_normalization": args.input_normalization,
         "recompute_batch_norm": args.recompute_batch_norm,
         "optimizer": args.optimizer,
+        "projection_learning_rate": args.projection_learning_rate,
         "seed": args.seed,
         "train_subset": args.train_subset,
         "batch_size": args.batch_size,
