@@ -101,6 +101,16 @@ class DUQOutput(keras.layers.Layer):
         trainable_projection: bool, whether `W` is learned (as in the
             paper) or stays at its random initial value, a fixed random
             projection of the features. Defaults to `True`.
+        projection_learning_rate: float > 0, the rate at which `W` learns,
+            as a multiple of the optimizer's learning rate. `1.0` (default)
+            trains `W` like every other weight, as in the paper; `0.1`
+            keeps it closer to its random initial value, which kept more of
+            the separation of out-of-distribution inputs that the
+            backbone's features hold, at a small cost in accuracy
+            (docs/own_model.md). Exact for optimizers whose step is
+            proportional to the learning rate (SGD, Adam and their kin):
+            `kernel` holds `W / projection_learning_rate`, and the layer
+            multiplies it back.
         bias_correction: bool, whether the centroid moving average is
             bias-corrected (as Adam's moment estimates are). `False` starts
             the state as the paper does, as if every class had already been
@@ -134,6 +144,7 @@ class DUQOutput(keras.layers.Layer):
         trainable_length_scale: bool = False,
         bias_correction: bool = False,
         trainable_projection: bool = True,
+        projection_learning_rate: float = 1.0,
         **kwargs: Any,
     ) -> None:
         dtype = kwargs.pop("dtype", None)
@@ -160,6 +171,17 @@ class DUQOutput(keras.layers.Layer):
                 "Expected `momentum` to be a float in [0, 1) (the paper uses "
                 f"0.99 to 0.999). Received: `momentum={momentum!r}`"
             )
+        if (
+            not isinstance(projection_learning_rate, (int, float))
+            or isinstance(projection_learning_rate, bool)
+            or not 0 < projection_learning_rate < float("inf")
+        ):
+            raise ValueError(
+                "Expected `projection_learning_rate` to be a float > 0 (a "
+                "multiple of the optimizer's learning rate; to keep `W` "
+                "fixed, pass `trainable_projection=False`). "
+                f"Received: `projection_learning_rate={projection_learning_rate!r}`"
+            )
         self.num_classes = num_classes
         self.centroid_dims = centroid_dims
         self.length_scale = float(length_scale)
@@ -168,6 +190,7 @@ class DUQOutput(keras.layers.Layer):
         self.trainable_length_scale = bool(trainable_length_scale)
         self.bias_correction = bool(bias_correction)
         self.trainable_projection = bool(trainable_projection)
+        self.projection_learning_rate = float(projection_learning_rate)
         self.input_spec = keras.layers.InputSpec(ndim=2)
 
     def build(self, input_shape: tuple) -> None:
@@ -182,10 +205,15 @@ class DUQOutput(keras.layers.Layer):
         features = input_shape[-1]
         dims = self.centroid_dims or min(features, MAX_DEFAULT_CENTROID_DIMS)
         self._resolved_centroid_dims = dims
+        rate = self.projection_learning_rate
+
+        def stored_initial_value(shape, dtype=None):
+            return self.kernel_initializer(shape, dtype) / rate
+
         self.kernel = self.add_weight(
             name="kernel",
             shape=(features, dims * self.num_classes),
-            initializer=self.kernel_initializer,
+            initializer=self.kernel_initializer if rate == 1.0 else stored_initial_value,
             trainable=self.trainable_projection,
         )
         self.length_scales = self.add_weight(
@@ -222,10 +250,20 @@ class DUQOutput(keras.layers.Layer):
         """The current centroids `e_c`, shape `(centroid_dims, num_classes)`."""
         return _ops.centroids(self.centroid_counts, self.centroid_sums)
 
+    @property
+    def projection(self) -> Tensor:
+        """`W`, shape `(features, centroid_dims * num_classes)`: `kernel` times the rate.
+
+        Its value is `projection_learning_rate * kernel`, but the gradient
+        reaches `kernel` unscaled, so an optimizer's step on `kernel` moves
+        `W` by `projection_learning_rate` times the step.
+        """
+        return _ops.rate_scaled(self.kernel, self.projection_learning_rate)
+
     def embed(self, features: Tensor) -> Tensor:
         """Projects features with every `W_c`: `(batch, centroid_dims, classes)`."""
         features = ops.cast(features, "float32")
-        projected = ops.matmul(features, self.kernel)
+        projected = ops.matmul(features, self.projection)
         return ops.reshape(
             projected, (-1, self._resolved_centroid_dims, self.num_classes)
         )
@@ -283,6 +321,7 @@ class DUQOutput(keras.layers.Layer):
                 ),
                 "trainable_length_scale": self.trainable_length_scale,
                 "trainable_projection": self.trainable_projection,
+                "projection_learning_rate": self.projection_learning_rate,
                 "bias_correction": self.bias_correction,
             }
         )

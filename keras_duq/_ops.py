@@ -9,6 +9,7 @@ tensors; callers are responsible for casting.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from collections.abc import Sequence
 
 from keras import ops
 
@@ -241,17 +242,37 @@ def centroids(counts: Tensor, sums: Tensor) -> Tensor:
     return sums / counts[None, :]
 
 
+def rate_scaled(stored: Tensor, rate: float) -> Tensor:
+    """`rate * stored` in value, with the gradient reaching `stored` unscaled.
+
+    A weight used through this moves `rate` times as far per optimizer step
+    as `stored` does: a per-weight learning rate, exact for any optimizer
+    whose step is proportional to its learning rate (SGD, Adam).
+    """
+    if rate == 1.0:
+        return stored
+    stored = ops.convert_to_tensor(stored)
+    return stored + ops.stop_gradient((rate - 1.0) * stored)
+
+
 def coupled_weight_decay_loss(
-    weights: Iterable[Tensor], weight_decay: float | Tensor
+    weights: Iterable[Tensor],
+    weight_decay: float | Tensor,
+    rates: Sequence[float] = (),
 ) -> Tensor:
     """`weight_decay / 2 * sum ||w||^2` over `weights`.
 
     Its gradient adds `weight_decay * w` to the gradient of every weight:
     the coupled L2 weight decay of the paper (PyTorch's SGD `weight_decay`),
-    which is not the decoupled `weight_decay` of Keras optimizers.
+    which is not the decoupled `weight_decay` of Keras optimizers. `rates`
+    (one per weight; 1.0 where missing): a weight stored for `rate_scaled`
+    decays as the weight it stands for.
     """
     total = ops.zeros((), dtype="float32")
-    for weight in weights:
+    rates = list(rates)
+    for i, weight in enumerate(weights):
+        if i < len(rates):
+            weight = rate_scaled(weight, rates[i])
         total = total + ops.sum(ops.square(ops.cast(weight, "float32")))
     return 0.5 * weight_decay * total
 

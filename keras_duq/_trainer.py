@@ -71,6 +71,9 @@ class ObjectiveSettings:
     # The penalty is taken with respect to the output of the layer the
     # model's `penalty_input` names, instead of the float inputs.
     penalty_input: bool = False
+    # Per trainable weight, the rate of `_ops.rate_scaled` it is used with
+    # (the head's projection), so that weight decay acts on what it stands for.
+    rates: tuple[float, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,7 +205,9 @@ def objective(
         sample_weight,
         settings.bce_epsilon,
     )
-    total = loss + _ops.coupled_weight_decay_loss(weights, settings.weight_decay)
+    total = loss + _ops.coupled_weight_decay_loss(
+        weights, settings.weight_decay, settings.rates
+    )
     return total, (log_kernel, penalty, bce, state)
 
 
@@ -314,6 +319,17 @@ class Trainer:
             weight_decay=self.weight_decay,
             bce_epsilon=self.bce_epsilon,
             penalty_input=self.penalty_input is not None,
+            rates=self._weight_rates(),
+        )
+
+    def _weight_rates(self):
+        """`ObjectiveSettings.rates`: empty unless the projection has its own rate."""
+        head = self.duq_output
+        if head.projection_learning_rate == 1.0:
+            return ()
+        return tuple(
+            head.projection_learning_rate if weight is head.kernel else 1.0
+            for weight in self.trainable_weights
         )
 
     def _check_batch(self, x, y, sample_weight):

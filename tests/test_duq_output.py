@@ -126,6 +126,11 @@ def test_trainable_length_scale_is_a_weight():
         ({"num_classes": 3, "momentum": 1.0}, "momentum"),
         ({"num_classes": 3, "momentum": -0.1}, "momentum"),
         ({"num_classes": 3, "dtype": "float16"}, "float32"),
+        ({"num_classes": 3, "projection_learning_rate": 0.0}, "trainable_projection"),
+        ({"num_classes": 3, "projection_learning_rate": -0.1}, "projection_learning"),
+        ({"num_classes": 3, "projection_learning_rate": True}, "projection_learning"),
+        ({"num_classes": 3, "projection_learning_rate": "0.1"}, "projection_learning"),
+        ({"num_classes": 3, "projection_learning_rate": float("inf")}, "projection"),
     ],
 )
 def test_bad_arguments_raise_clear_errors(kwargs, message):
@@ -148,6 +153,7 @@ def test_config_round_trip():
         kernel_initializer=keras.initializers.RandomNormal(stddev=0.05),
         trainable_length_scale=True,
         trainable_projection=False,
+        projection_learning_rate=0.1,
         name="head",
     )
     config = layer.get_config()

@@ -138,6 +138,47 @@ def test_fixed_projection_trains_only_the_backbone(tmp_path):
     assert not restored.duq_output.kernel.trainable
 
 
+@pytest.mark.parametrize(
+    "optimizer", [lambda: keras.optimizers.SGD(0.1), lambda: keras.optimizers.Adam()]
+)
+def test_projection_learning_rate_scales_each_step_of_the_projection(
+    optimizer, tmp_path
+):
+    # Two models with the same initial weights: W moves `rate` times as far
+    # (a power of two, so that `rate * (W / rate)` is exact), the backbone
+    # the same, weight decay and the penalty included.
+    rate = 0.25
+    models, moves = {}, {}
+    for r in (1.0, rate):
+        keras.utils.set_random_seed(0)
+        backbone = keras.Sequential([keras.Input((5,)), keras.layers.Dense(6)])
+        model = keras_duq.wrap(
+            backbone, num_classes=2, gradient_penalty=0.5, projection_learning_rate=r
+        )
+        model.compile(optimizer=optimizer())
+        before = keras.ops.convert_to_numpy(model.duq_output.projection).copy()
+        x = np.random.default_rng(0).normal(size=(8, 5)).astype("float32")
+        model.train_on_batch(x, np.arange(8) % 2)
+        after = keras.ops.convert_to_numpy(model.duq_output.projection)
+        models[r], moves[r] = model, after - before
+    assert np.abs(moves[1.0]).max() > 1e-4
+    # Within float32 rounding of W (about 1e-7 here); unscaled, they would
+    # differ by 3/4 of a move (1e-4 to 1e-2).
+    np.testing.assert_allclose(moves[rate], rate * moves[1.0], rtol=1e-3, atol=1e-6)
+    for a, b in zip(
+        models[1.0].feature_extractor.weights, models[rate].feature_extractor.weights
+    ):
+        np.testing.assert_allclose(
+            keras.ops.convert_to_numpy(a), keras.ops.convert_to_numpy(b), atol=1e-6
+        )
+    models[rate].save(tmp_path / "model.keras")
+    restored = keras.models.load_model(tmp_path / "model.keras")
+    assert restored.duq_output.projection_learning_rate == rate
+    np.testing.assert_allclose(
+        restored.predict(x, verbose=0), models[rate].predict(x, verbose=0), atol=1e-6
+    )
+
+
 @pytest.mark.parametrize("kind", ["conv1d", "gru"])
 def test_sequence_backbone(kind):
     layers = [keras.Input((12, 3))]
