@@ -213,7 +213,9 @@ class DUQOutput(keras.layers.Layer):
         self.kernel = self.add_weight(
             name="kernel",
             shape=(features, dims * self.num_classes),
-            initializer=self.kernel_initializer if rate == 1.0 else stored_initial_value,
+            initializer=self.kernel_initializer
+            if rate == 1.0
+            else stored_initial_value,
             trainable=self.trainable_projection,
         )
         self.length_scales = self.add_weight(

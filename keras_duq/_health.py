@@ -63,6 +63,12 @@ ZERO_GRADIENT_NORM = 1e-3
 # nothing lost. Samples of 128 scattered by about +-0.05, mostly from the
 # batch statistics of dense layers.
 BATCH_NORM_GAP = 0.15
+# The per-epoch comparison of the modes takes at most this share of the
+# training time (it only logs `batch_norm_gap`; the warnings come from the
+# checks at the end of `fit`). Its three passes over the sample are a fixed
+# cost per epoch, large beside the short epochs of a small data set on an
+# accelerator: there it runs every few epochs, and the log is NaN between.
+CHECK_TIME_SHARE = 0.05
 # Kernel value of one class at another class's centroid above which the two
 # centroids overlap.
 CENTROID_OVERLAP = 0.5
@@ -138,12 +144,6 @@ _NORMALIZING_LAYERS = (
 # mean beyond one standard deviation, or a scale off by more than 2x (images
 # scaled to [0, 1] have a standard deviation of 0.25-0.4; two moons' raw
 # coordinates, on which the paper's demo works, about 0.75).
-# The per-epoch comparison of the modes takes at most this share of the
-# training time (it only logs `batch_norm_gap`; the warnings come from the
-# checks at the end of `fit`). Its three passes over the sample are a fixed
-# cost per epoch, large beside the short epochs of a small data set on an
-# accelerator: there it runs every few epochs, and the log is NaN between.
-CHECK_TIME_SHARE = 0.05
 _INPUT_MEAN_TOLERANCE = 1.0
 _INPUT_SCALE_RANGE = (0.5, 2.0)
 
