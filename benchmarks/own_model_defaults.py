@@ -173,7 +173,9 @@ def make_optimizer(name, projection_learning_rate=1.0):
 
     Keras optimizers have no per-variable rate, so this one scales the rate
     in `update_step` for the variable named `duq_output/kernel` (TensorFlow
-    backend: the step sees the backend's variables, matched by name).
+    backend: the step sees the backend's variables, matched by name). The
+    same update as `wrap(..., projection_learning_rate=...)`, which scales
+    `W` inside the layer instead, up to float rounding.
     """
     if name == "adam":
         base = keras.optimizers.Adam
@@ -273,7 +275,13 @@ def summarize(path, at_epochs=(1, 3, 10)):
     with open(path) as f:
         for line in f:
             record = json.loads(line)
-            settings = json.dumps(record["wrap_kwargs"], sort_keys=True)
+            settings = dict(record["wrap_kwargs"])
+            rate = record.get("projection_learning_rate", 1.0)
+            if rate != 1.0:
+                # The optimizer's step for W scaled: the update of
+                # `wrap(..., projection_learning_rate=rate)`.
+                settings["projection_learning_rate"] = rate
+            settings = json.dumps(settings, sort_keys=True)
             key = (record["backbone"], record["head"], settings)
             groups.setdefault(key, []).append(record)
             if record.get("recompute_batch_norm"):
