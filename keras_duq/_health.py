@@ -743,6 +743,7 @@ class HealthCheck(keras.callbacks.Callback):
         self.batch_size = batch_size
         self._in_fit = False
         self._epoch_warmed_up = False
+        self._epoch_start = time.perf_counter()
 
     def _checked_model(self) -> DUQModel:
         if not hasattr(self.model, "duq_output"):
