@@ -59,7 +59,8 @@ class DUQOutput(keras.layers.Layer):
     `ops.reshape(kernel, (features, centroid_dims, num_classes))[:, :, c]`
     transposed. One matrix makes the projection of all classes a single
     matrix multiplication, and gives Keras initializers the right fan-in
-    (`features`).
+    (`features`). With a `projection_learning_rate` other than 1, `kernel`
+    holds `W / projection_learning_rate`; the `projection` property is `W`.
 
     References:
         - [van Amersfoort et al., 2020](https://arxiv.org/abs/2003.02037),
