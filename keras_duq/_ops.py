@@ -8,6 +8,7 @@ tensors; callers are responsible for casting.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from collections.abc import Sequence
 
@@ -269,10 +270,8 @@ def coupled_weight_decay_loss(
     decays as the weight it stands for.
     """
     total = ops.zeros((), dtype="float32")
-    rates = list(rates)
-    for i, weight in enumerate(weights):
-        if i < len(rates):
-            weight = rate_scaled(weight, rates[i])
+    for weight, rate in zip(weights, itertools.chain(rates, itertools.repeat(1.0))):
+        weight = rate_scaled(weight, rate)
         total = total + ops.sum(ops.square(ops.cast(weight, "float32")))
     return 0.5 * weight_decay * total
 

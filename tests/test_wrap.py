@@ -144,9 +144,9 @@ def test_fixed_projection_trains_only_the_backbone(tmp_path):
 def test_projection_learning_rate_scales_each_step_of_the_projection(
     optimizer, tmp_path
 ):
-    # Two models with the same initial weights: W moves `rate` times as far
-    # (a power of two, so that `rate * (W / rate)` is exact), the backbone
-    # the same, weight decay and the penalty included.
+    # Two models with the same initial weights: W moves `rate` times as far,
+    # the backbone the same, weight decay and the penalty included. A power
+    # of two for `rate` stores `W / rate` exactly.
     rate = 0.25
     models, moves = {}, {}
     for r in (1.0, rate):
