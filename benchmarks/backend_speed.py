@@ -70,6 +70,7 @@ def worker(batch_size, steps):
                 centroid_dims=CENTROID_DIMS,
                 length_scale=LENGTH_SCALE,
                 gradient_penalty=PENALTY if kind == "duq_penalty" else 0.0,
+                projection_learning_rate=1.0,
             )
             model.compile(optimizer=optimizer)
         return model

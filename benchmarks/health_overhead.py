@@ -51,6 +51,7 @@ def build(health_checks):
         centroid_dims=256,
         gradient_penalty=0.05,
         health_checks=health_checks,
+        projection_learning_rate=1.0,
     )
     model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9))
     return model

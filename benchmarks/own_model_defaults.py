@@ -276,11 +276,17 @@ def summarize(path, at_epochs=(1, 3, 10)):
         for line in f:
             record = json.loads(line)
             settings = dict(record["wrap_kwargs"])
-            rate = record.get("projection_learning_rate", 1.0)
-            if rate != 1.0:
-                # The optimizer's step for W scaled: the update of
-                # `wrap(..., projection_learning_rate=rate)`.
-                settings["projection_learning_rate"] = rate
+            if record["head"] == "duq":
+                # The rate at which W learned: the layer's times the
+                # optimizer-level scaling. Records that do not name the
+                # layer's rate were made when `wrap`'s default was 1.0.
+                head_rate = record.get(
+                    "head_projection_learning_rate",
+                    settings.get("projection_learning_rate", 1.0),
+                )
+                settings["projection_learning_rate"] = head_rate * record.get(
+                    "projection_learning_rate", 1.0
+                )
             settings = json.dumps(settings, sort_keys=True)
             key = (record["backbone"], record["head"], settings)
             groups.setdefault(key, []).append(record)
@@ -357,7 +363,8 @@ def main(argv=None):
         "--projection-learning-rate",
         type=float,
         default=1.0,
-        help="Multiplies the optimizer's rate for DUQ's projection W (TensorFlow).",
+        help="Multiplies the optimizer's rate for DUQ's projection W (TensorFlow), "
+        "on top of the layer's `projection_learning_rate`.",
     )
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=128)
@@ -447,6 +454,9 @@ def main(argv=None):
         "recompute_batch_norm": args.recompute_batch_norm,
         "optimizer": args.optimizer,
         "projection_learning_rate": args.projection_learning_rate,
+        "head_projection_learning_rate": (
+            model.duq_output.projection_learning_rate if args.head == "duq" else None
+        ),
         "seed": args.seed,
         "train_subset": args.train_subset,
         "batch_size": args.batch_size,

@@ -43,7 +43,13 @@ def build(spectral, coefficient):
     backbone = paper_backbone()
     if spectral:
         backbone = keras_duq.spectral_normalize(backbone, coefficient=coefficient)
-    model = keras_duq.wrap(backbone, 10, centroid_dims=256, gradient_penalty=0.05)
+    model = keras_duq.wrap(
+        backbone,
+        10,
+        centroid_dims=256,
+        gradient_penalty=0.05,
+        projection_learning_rate=1.0,
+    )
     model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9))
     return model
 

@@ -19,7 +19,8 @@ benchmarks/tuning_fashion_mnist.json.
 `--recipe quickstart` runs the same search on the README quickstart's setup
 instead, a budget a CPU can afford: its backbone (conv, pooling, dropout,
 dense), Adam at its default rate, batch 128 and the library's defaults for
-every other `wrap` argument, on the same 55,000 / 5000 split. Then it trains
+every other `wrap` argument (`--projection-learning-rate` sets that one),
+on the same 55,000 / 5000 split. Then it trains
 the quickstart's model for `--final-epochs` epochs (default 10) three times:
 with the search's choice, with `wrap`'s default length scale and penalty,
 and with the paper's (0.1, 0.05); it records test accuracy and AUROC
@@ -89,6 +90,7 @@ def run_seed(seed, args):
         momentum=0.999,
         kernel_initializer=keras.initializers.RandomNormal(stddev=0.05),
         weight_decay=fashion_mnist.WEIGHT_DECAY,
+        projection_learning_rate=1.0,
     )
     search_seconds = time.perf_counter() - start
     print(result.summary())
@@ -142,6 +144,7 @@ def run_quickstart_seed(seed, args):
         optimizer=keras.optimizers.Adam,
         max_trials=args.max_trials,
         seed=seed,
+        **quickstart_wrap(args),
     )
     search_seconds = time.perf_counter() - start
     print(result.summary(), flush=True)
@@ -161,6 +164,7 @@ def run_quickstart_seed(seed, args):
             own_model_defaults.dropout_backbone(),
             fashion_mnist.NUM_CLASSES,
             **values,
+            **quickstart_wrap(args),
         )
         model.compile(optimizer=keras.optimizers.Adam())
         metrics = own_model_defaults.EpochMetrics(*test, x_ood, "duq")
@@ -179,6 +183,13 @@ def run_quickstart_seed(seed, args):
         "trials": result.trials,
         "final": finals,
     }
+
+
+def quickstart_wrap(args):
+    """`wrap` arguments the quickstart recipe sets: none unless given."""
+    if args.projection_learning_rate is None:
+        return {}
+    return {"projection_learning_rate": args.projection_learning_rate}
 
 
 def summarize(paths, at_epochs=(1, 3, 10)):
@@ -264,6 +275,13 @@ def main(argv=None):
         help="Epochs of the final training (default: 30 paper, 10 quickstart).",
     )
     parser.add_argument("--max-trials", type=int, default=None)
+    parser.add_argument(
+        "--projection-learning-rate",
+        type=float,
+        default=None,
+        help="`--recipe quickstart`: `wrap`'s projection_learning_rate "
+        "(default: the library's).",
+    )
     parser.add_argument("--train-subset", type=int, default=None)
     parser.add_argument("--test-subset", type=int, default=None)
     parser.add_argument("--mnist-path", default=None)

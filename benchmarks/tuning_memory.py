@@ -65,7 +65,13 @@ def measure(case):
             )
             model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
         else:
-            model = keras_duq.wrap(backbone, 2, length_scale=0.3, gradient_penalty=0.1)
+            model = keras_duq.wrap(
+                backbone,
+                2,
+                length_scale=0.3,
+                gradient_penalty=0.1,
+                projection_learning_rate=1.0,
+            )
             model.compile(optimizer="adam")
         model.fit(x, y, epochs=2, batch_size=64, verbose=0)
         model.predict(x[:500], verbose=0)

@@ -45,6 +45,7 @@ def demo_wrap():
         momentum=0.99,
         kernel_initializer=keras.initializers.RandomNormal(stddev=1.0),
         weight_decay=1e-4,
+        projection_learning_rate=1.0,
     )
 
 

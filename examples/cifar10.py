@@ -146,7 +146,12 @@ backbone = keras.Model(inputs, features, name="resnet")
 # third and two thirds of the training. Weight decay (1e-4) is built in.
 
 model = keras_duq.wrap(
-    backbone, num_classes=10, length_scale=0.1, momentum=0.999, gradient_penalty=0.5
+    backbone,
+    num_classes=10,
+    length_scale=0.1,
+    momentum=0.999,
+    gradient_penalty=0.5,
+    projection_learning_rate=1.0,  # W learns at the optimizer's rate, as in the paper
 )
 steps = epochs * int(train.cardinality())
 schedule = keras.optimizers.schedules.PiecewiseConstantDecay(

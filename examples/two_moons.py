@@ -127,6 +127,7 @@ def train(backbone, gradient_penalty):
         momentum=0.99,
         kernel_initializer=keras.initializers.RandomNormal(stddev=1.0),
         gradient_penalty=gradient_penalty,
+        projection_learning_rate=1.0,  # as in the paper
     )
     model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9))
     model.fit(x_train, y_train, batch_size=64, epochs=epochs, verbose=0)

@@ -19,6 +19,12 @@ DEFAULT_KERNEL_INITIALIZER = "he_normal"
 # features and 10 classes; 5.2M with it). The paper's FashionMNIST model
 # (256 features) is unchanged by the cap.
 MAX_DEFAULT_CENTROID_DIMS = 256
+# `W` learns at a tenth of the optimizer's rate: on every backbone measured it
+# kept more of the out-of-distribution separation that the backbone's
+# features hold (docs/own_model.md). The paper trained `W` at the full rate;
+# configs saved before this option existed load with that rate.
+DEFAULT_PROJECTION_LEARNING_RATE = 0.1
+PAPER_PROJECTION_LEARNING_RATE = 1.0
 
 
 @keras.saving.register_keras_serializable(package="keras_duq")
@@ -103,12 +109,12 @@ class DUQOutput(keras.layers.Layer):
             paper) or stays at its random initial value, a fixed random
             projection of the features. Defaults to `True`.
         projection_learning_rate: float > 0, the rate at which `W` learns,
-            as a multiple of the optimizer's learning rate. `1.0` (default)
-            trains `W` like every other weight, as in the paper; `0.1`
-            keeps it closer to its random initial value, which kept more of
-            the separation of out-of-distribution inputs that the
-            backbone's features hold, at a small cost in accuracy
-            (docs/own_model.md). Exact for optimizers whose step is
+            as a multiple of the optimizer's learning rate. Defaults to
+            `0.1`: `W` stays closer to its random initial value, which kept
+            more of the separation of out-of-distribution inputs that the
+            backbone's features hold, at a small cost in accuracy on some
+            backbones (docs/own_model.md). `1.0` trains `W` like every other
+            weight, as the paper does. Exact for optimizers whose step is
             proportional to the learning rate (SGD, Adam and their kin):
             `kernel` holds `W / projection_learning_rate`, and the layer
             multiplies it back.
@@ -145,7 +151,7 @@ class DUQOutput(keras.layers.Layer):
         trainable_length_scale: bool = False,
         bias_correction: bool = False,
         trainable_projection: bool = True,
-        projection_learning_rate: float = 1.0,
+        projection_learning_rate: float = DEFAULT_PROJECTION_LEARNING_RATE,
         **kwargs: Any,
     ) -> None:
         dtype = kwargs.pop("dtype", None)
@@ -329,3 +335,11 @@ class DUQOutput(keras.layers.Layer):
             }
         )
         return config
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> DUQOutput:
+        # A config saved before `projection_learning_rate` existed describes
+        # a layer that trained `W` at the optimizer's rate, and whose
+        # `kernel` holds `W` itself.
+        config = {"projection_learning_rate": PAPER_PROJECTION_LEARNING_RATE, **config}
+        return super().from_config(config)

@@ -11,6 +11,7 @@ from keras_duq._duq_model import DEFAULT_GRADIENT_PENALTY
 from keras_duq._duq_model import DEFAULT_WEIGHT_DECAY
 from keras_duq._duq_model import DUQModel
 from keras_duq._duq_output import DEFAULT_KERNEL_INITIALIZER
+from keras_duq._duq_output import DEFAULT_PROJECTION_LEARNING_RATE
 from keras_duq._duq_output import DUQOutput
 
 
@@ -32,7 +33,7 @@ def wrap(
     trainable_length_scale: bool = False,
     bias_correction: bool = False,
     trainable_projection: bool = True,
-    projection_learning_rate: float = 1.0,
+    projection_learning_rate: float = DEFAULT_PROJECTION_LEARNING_RATE,
     health_checks: bool = True,
     penalty_input: str | None = None,
     input_shape: Sequence[int | None] | None = None,
@@ -105,10 +106,10 @@ def wrap(
             (as in the paper), or keep them at their random initial values
             (see `DUQOutput`). Defaults to `True`.
         projection_learning_rate: float > 0, the rate at which `W` learns,
-            as a multiple of the optimizer's. `1.0` (default) is the paper's;
-            `0.1` kept more separation of out-of-distribution inputs on
-            most backbones measured, at a small cost in accuracy on some
-            (see `DUQOutput` and docs/own_model.md).
+            as a multiple of the optimizer's. Defaults to `0.1`, which kept
+            more separation of out-of-distribution inputs on every backbone
+            measured (see `DUQOutput` and docs/own_model.md); `1.0` is the
+            paper's.
         health_checks: bool, whether `fit`, `evaluate` and `predict` warn
             (once per cause, with a `keras_duq.DUQHealthWarning`) about
             DUQ's failure modes and log the numbers behind them (see

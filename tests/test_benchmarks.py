@@ -79,11 +79,44 @@ def test_own_model_summary_averages_each_setup_over_its_seeds(tmp_path):
     assert len(rows) == 4  # header, rule, one row per setup
     # Seeds in order, mean accuracy, AUROC per seed and its mean, per epoch.
     assert rows[2] == (
-        "| mlp | duq | {} | 0, 1 | 0.550 | 0.600, 0.800 | 0.700 |"
+        '| mlp | duq | {"projection_learning_rate": 1.0} | 0, 1 | 0.550 | 0.600, 0.800 |'
+        " 0.700 |"
         " 0.550 | 0.700, 0.900 | 0.800 |"
     )
     # A setup that stopped before an epoch leaves that epoch's cells empty.
     assert rows[3] == "| mlp | softmax |  | 0 | 0.500 | 0.500 | 0.500 | | | |"
+
+
+def test_own_model_summary_groups_runs_by_the_rate_at_which_w_learned(tmp_path):
+    from benchmarks.own_model_defaults import summarize
+
+    def record(seed, **rates):
+        epochs = [{"epoch": 1, "accuracy": 0.5, "auroc": 0.6 + 0.1 * seed}]
+        return dict(
+            backbone="mlp",
+            head="duq",
+            wrap_kwargs={},
+            seed=seed,
+            epochs=epochs,
+            **rates,
+        )
+
+    # The layer at 0.1; the layer at 1.0 with the optimizer's step for W
+    # scaled by 0.1 (a record that does not name the layer's rate); and the
+    # layer at 1.0.
+    records = [
+        record(0, head_projection_learning_rate=0.1, projection_learning_rate=1.0),
+        record(1, projection_learning_rate=0.1),
+        record(2, head_projection_learning_rate=1.0, projection_learning_rate=1.0),
+    ]
+    path = tmp_path / "runs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    rows = summarize(path, at_epochs=(1,)).splitlines()
+    assert rows[2:] == [
+        '| mlp | duq | {"projection_learning_rate": 0.1} | 0, 1 | 0.500 | 0.600, 0.700 |'
+        " 0.650 |",
+        '| mlp | duq | {"projection_learning_rate": 1.0} | 2 | 0.500 | 0.800 | 0.800 |',
+    ]
 
 
 def test_own_model_summary_gives_re_estimated_statistics_a_row_of_their_own(tmp_path):
@@ -110,8 +143,10 @@ def test_own_model_summary_gives_re_estimated_statistics_a_row_of_their_own(tmp_
     path.write_text(json.dumps(record) + "\n")
     rows = summarize(path, at_epochs=(1,)).splitlines()
     assert rows[2:] == [
-        "| batchnorm | duq | {} | 0 | 0.600 | 0.700 | 0.700 |",
-        "| batchnorm | duq, BN re-estimated | {} | 0 | 0.900 | 0.800 | 0.800 |",
+        '| batchnorm | duq | {"projection_learning_rate": 1.0} | 0 | 0.600 | 0.700 |'
+        " 0.700 |",
+        '| batchnorm | duq, BN re-estimated | {"projection_learning_rate": 1.0} | 0 |'
+        " 0.900 | 0.800 | 0.800 |",
     ]
 
 

@@ -72,7 +72,8 @@ def _reference_loss(model, x, y, sample_weight=None):
         tape.watch(x)
         features = model.feature_extractor(x, training=False)
         kernel = tf.reshape(
-            tf.matmul(features, head.kernel), (-1, head.centroid_dims, head.num_classes)
+            tf.matmul(features, head.projection),
+            (-1, head.centroid_dims, head.num_classes),
         )
         centroids = head.centroid_sums / head.centroid_counts
         distance = tf.reduce_mean(tf.square(kernel - centroids[None]), axis=1)
@@ -86,10 +87,14 @@ def _reference_loss(model, x, y, sample_weight=None):
     per_example = bce + model.gradient_penalty * (norm.numpy() - 1) ** 2
     if sample_weight is not None:
         per_example = per_example * sample_weight
+    # The decay acts on W, which `kernel` stores divided by its rate.
+    weights = [
+        head.projection if w is head.kernel else w for w in model.trainable_weights
+    ]
     decay = (
         0.5
         * model.weight_decay
-        * sum(float(np.sum(w.numpy() ** 2)) for w in model.trainable_weights)
+        * sum(float(np.sum(keras.ops.convert_to_numpy(w) ** 2)) for w in weights)
     )
     return float(np.mean(per_example)) + decay
 
@@ -154,7 +159,7 @@ def test_centroids_update_once_after_the_step_in_inference_mode():
     embedded = np.einsum(
         "bf,fdc->bdc",
         features,
-        keras.ops.convert_to_numpy(head.kernel).reshape(8, 6, 3),
+        keras.ops.convert_to_numpy(head.projection).reshape(8, 6, 3),
     )
     one_hot = np.eye(3)[y]
     np.testing.assert_allclose(
@@ -170,14 +175,27 @@ def test_coupled_weight_decay_adds_weight_decay_times_weight():
     x, y = _data()
     with_decay = _compiled(lr=1.0, weight_decay=0.01, gradient_penalty=0.0)
     without = _compiled(lr=1.0, weight_decay=0.0, gradient_penalty=0.0)
-    initial = [w.numpy().copy() for w in with_decay.trainable_weights]
+
+    def weights(model):
+        # W in place of `kernel`, which stores W divided by its rate.
+        head = model.duq_output
+        return [
+            keras.ops.convert_to_numpy(head.projection if w is head.kernel else w)
+            for w in model.trainable_weights
+        ]
+
+    rate = with_decay.duq_output.projection_learning_rate
+    rates = [
+        rate if w is with_decay.duq_output.kernel else 1.0
+        for w in with_decay.trainable_weights
+    ]
+    initial = weights(with_decay)
     with_decay.train_on_batch(x, y)
     without.train_on_batch(x, y)
-    for w0, a, b in zip(
-        initial, with_decay.trainable_weights, without.trainable_weights
-    ):
-        # Plain SGD, lr 1: the only difference is -lr * weight_decay * w0.
-        np.testing.assert_allclose(a.numpy() - b.numpy(), -0.01 * w0, atol=1e-6)
+    for w0, r, a, b in zip(initial, rates, weights(with_decay), weights(without)):
+        # Plain SGD, lr 1: the only difference is -lr * weight_decay * w0, which
+        # W takes at its rate.
+        np.testing.assert_allclose(a - b, -0.01 * r * w0, atol=1e-6)
 
 
 def test_bce_epsilon_stops_the_pull_of_far_centroids():

@@ -22,7 +22,7 @@ def _features(batch=6, features=5, seed=0):
 def test_kernel_values_match_paper_formula():
     layer = _layer(length_scale=0.5)
     features = _features()
-    kernel = layer.kernel.numpy().reshape(5, 4, 3)
+    kernel = keras.ops.convert_to_numpy(layer.projection).reshape(5, 4, 3)
     centroids = layer.centroid_sums.numpy() / layer.centroid_counts.numpy()
     expected = np.empty((6, 3))
     for c in range(3):
@@ -84,7 +84,11 @@ def test_update_centroids_is_one_moving_average_step():
     labels = np.array([0, 1, 1, 2, 2, 2])
     old_counts = layer.centroid_counts.numpy().copy()
     old_sums = layer.centroid_sums.numpy().copy()
-    embedded = np.einsum("bf,fdc->bdc", features, layer.kernel.numpy().reshape(5, 4, 3))
+    embedded = np.einsum(
+        "bf,fdc->bdc",
+        features,
+        keras.ops.convert_to_numpy(layer.projection).reshape(5, 4, 3),
+    )
     layer.update_centroids(features, np.eye(3, dtype="float32")[labels])
     expected_counts = 0.9 * old_counts + 0.1 * np.array([1, 2, 3])
     np.testing.assert_allclose(
@@ -161,3 +165,15 @@ def test_config_round_trip():
     assert restored.get_config() == config
     assert config["num_classes"] == 4 and config["centroid_dims"] == 8
     assert config["length_scale"] == 0.3 and config["momentum"] == 0.99
+
+
+def test_config_without_projection_learning_rate_loads_at_the_paper_rate():
+    # A layer saved before the option existed trained W at the optimizer's
+    # rate and stored W itself in `kernel`: it must load that way, not with
+    # today's default, or its kernel values would be read at a tenth.
+    layer = keras_duq.DUQOutput(num_classes=3)
+    assert layer.projection_learning_rate == 0.1
+    config = layer.get_config()
+    del config["projection_learning_rate"]
+    restored = keras_duq.DUQOutput.from_config(config)
+    assert restored.projection_learning_rate == 1.0

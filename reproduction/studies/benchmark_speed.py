@@ -63,14 +63,24 @@ TASKS = {
         input_shape=(28, 28, 1),
         num_classes=10,
         batch_size=128,
-        duq=dict(centroid_dims=256, length_scale=0.1, gradient_penalty=0.05),
+        duq=dict(
+            centroid_dims=256,
+            length_scale=0.1,
+            gradient_penalty=0.05,
+            projection_learning_rate=1.0,
+        ),
     ),
     "two_moons_mlp": dict(
         backbone=lambda: two_moons.build_model(0.0).feature_extractor,
         input_shape=(2,),
         num_classes=2,
         batch_size=64,
-        duq=dict(centroid_dims=10, length_scale=0.3, gradient_penalty=1.0),
+        duq=dict(
+            centroid_dims=10,
+            length_scale=0.3,
+            gradient_penalty=1.0,
+            projection_learning_rate=1.0,
+        ),
     ),
 }
 

@@ -60,6 +60,7 @@ def distant(scales=(1.0, 10.0, 100.0, 1000.0), epochs=5):
                     length_scale=0.1,
                     gradient_penalty=gradient_penalty,
                     bce_epsilon=bce_epsilon,
+                    projection_learning_rate=1.0,
                 )
                 model.compile(optimizer=keras.optimizers.SGD(0.01))
                 outcome, accuracy = "finished", None

@@ -133,6 +133,7 @@ def mobilenet(seeds, epochs=5, steps=16, batch_size=32):
                 num_classes=10,
                 gradient_penalty=0.0,
                 bias_correction=bias_correction,
+                projection_learning_rate=1.0,
             )
             model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9))
             history = model.fit(

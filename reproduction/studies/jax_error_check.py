@@ -50,7 +50,11 @@ def main():
         ]
     )
     model = keras_duq.wrap(
-        backbone, num_classes=2, length_scale=0.3, gradient_penalty=1.0
+        backbone,
+        num_classes=2,
+        length_scale=0.3,
+        gradient_penalty=1.0,
+        projection_learning_rate=1.0,
     )
     model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9))
     rng = np.random.default_rng(0)

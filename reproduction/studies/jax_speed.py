@@ -93,6 +93,7 @@ def build(kind, make_backbone, health_checks=False):
             length_scale=0.1,
             gradient_penalty=0.5 if kind == "duq_penalty" else 0.0,
             health_checks=health_checks,
+            projection_learning_rate=1.0,
         )
         model.compile(optimizer=optimizer)
     return model, shape

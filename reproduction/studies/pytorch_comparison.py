@@ -58,6 +58,7 @@ def keras_worker():
         momentum=GAMMA,
         gradient_penalty=PENALTY,
         weight_decay=WEIGHT_DECAY,
+        projection_learning_rate=1.0,
     )
     model.compile(optimizer=keras.optimizers.SGD(LR, momentum=0.9))
 
