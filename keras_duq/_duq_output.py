@@ -21,8 +21,7 @@ DEFAULT_KERNEL_INITIALIZER = "he_normal"
 MAX_DEFAULT_CENTROID_DIMS = 256
 # `W` learns at a tenth of the optimizer's rate: on every backbone measured it
 # kept more of the out-of-distribution separation that the backbone's
-# features hold (docs/own_model.md). The paper trained `W` at the full rate;
-# configs saved before this option existed load with that rate.
+# features hold (docs/own_model.md). The paper trains `W` at the full rate.
 DEFAULT_PROJECTION_LEARNING_RATE = 0.1
 PAPER_PROJECTION_LEARNING_RATE = 1.0
 

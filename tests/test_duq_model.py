@@ -64,6 +64,21 @@ def _assert_state_equal(model, state):
         np.testing.assert_array_equal(old, variable.numpy(), err_msg=variable.path)
 
 
+def _decayed_weights(model):
+    """`(value, rate)` of each trainable weight, with W in place of `kernel`.
+
+    `kernel` stores W divided by the projection's rate; the decay acts on W.
+    """
+    head = model.duq_output
+    return [
+        (
+            keras.ops.convert_to_numpy(head.projection if w is head.kernel else w),
+            head.projection_learning_rate if w is head.kernel else 1.0,
+        )
+        for w in model.trainable_weights
+    ]
+
+
 def _reference_loss(model, x, y, sample_weight=None):
     """BCE + lambda * penalty + weight decay, from plain TF ops."""
     x = tf.constant(x)
@@ -87,14 +102,10 @@ def _reference_loss(model, x, y, sample_weight=None):
     per_example = bce + model.gradient_penalty * (norm.numpy() - 1) ** 2
     if sample_weight is not None:
         per_example = per_example * sample_weight
-    # The decay acts on W, which `kernel` stores divided by its rate.
-    weights = [
-        head.projection if w is head.kernel else w for w in model.trainable_weights
-    ]
     decay = (
         0.5
         * model.weight_decay
-        * sum(float(np.sum(keras.ops.convert_to_numpy(w) ** 2)) for w in weights)
+        * sum(float(np.sum(w**2)) for w, _ in _decayed_weights(model))
     )
     return float(np.mean(per_example)) + decay
 
@@ -175,24 +186,12 @@ def test_coupled_weight_decay_adds_weight_decay_times_weight():
     x, y = _data()
     with_decay = _compiled(lr=1.0, weight_decay=0.01, gradient_penalty=0.0)
     without = _compiled(lr=1.0, weight_decay=0.0, gradient_penalty=0.0)
-
-    def weights(model):
-        # W in place of `kernel`, which stores W divided by its rate.
-        head = model.duq_output
-        return [
-            keras.ops.convert_to_numpy(head.projection if w is head.kernel else w)
-            for w in model.trainable_weights
-        ]
-
-    rate = with_decay.duq_output.projection_learning_rate
-    rates = [
-        rate if w is with_decay.duq_output.kernel else 1.0
-        for w in with_decay.trainable_weights
-    ]
-    initial = weights(with_decay)
+    initial = _decayed_weights(with_decay)
     with_decay.train_on_batch(x, y)
     without.train_on_batch(x, y)
-    for w0, r, a, b in zip(initial, rates, weights(with_decay), weights(without)):
+    for (w0, r), (a, _), (b, _) in zip(
+        initial, _decayed_weights(with_decay), _decayed_weights(without)
+    ):
         # Plain SGD, lr 1: the only difference is -lr * weight_decay * w0, which
         # W takes at its rate.
         np.testing.assert_allclose(a - b, -0.01 * r * w0, atol=1e-6)
