@@ -288,17 +288,14 @@ def summarize(path, at_epochs=(1, 3, 10)):
                     "projection_learning_rate", 1.0
                 )
             settings = json.dumps(settings, sort_keys=True)
-            key = (record["backbone"], record["head"], settings)
+            head = ", ".join([record["head"], *_setup(record)])
+            key = (record["backbone"], head, settings)
             groups.setdefault(key, []).append(record)
             if record.get("recompute_batch_norm"):
                 # The same run measured after re-estimating BatchNormalization
                 # statistics: a row of its own.
                 recomputed = dict(record, epochs=_recomputed(record["epochs"]))
-                key = (
-                    record["backbone"],
-                    record["head"] + ", BN re-estimated",
-                    settings,
-                )
+                key = (record["backbone"], head + ", BN re-estimated", settings)
                 groups.setdefault(key, []).append(recomputed)
     header = "| backbone | head | settings | seeds |"
     for epoch in at_epochs:
@@ -319,6 +316,18 @@ def summarize(path, at_epochs=(1, 3, 10)):
             row += epoch_cells(rows)
         lines.append(row)
     return "\n".join(lines)
+
+
+def _setup(record):
+    """What a run changed beyond the head's settings, as words for its row."""
+    words = []
+    if record.get("optimizer", "adam") != "adam":
+        words.append(record["optimizer"].upper())
+    if record.get("feature_layer") not in (None, "none"):
+        words.append(f"+ {record['feature_layer']} on the features")
+    if record.get("recompute_callback"):
+        words.append("RecomputeBatchNormStatistics")
+    return words
 
 
 def _recomputed(rows):
@@ -393,6 +402,12 @@ def main(argv=None):
         help="Also measure each epoch after re-estimating BatchNormalization "
         "statistics on 10,000 training images (then put back).",
     )
+    parser.add_argument(
+        "--recompute-callback",
+        action="store_true",
+        help="Train with keras_duq.callbacks.RecomputeBatchNormStatistics on "
+        "10,000 training images (statistics re-estimated after every epoch).",
+    )
     parser.add_argument("--label", default="")
     parser.add_argument("--output", default="own_model_defaults.jsonl")
     args = parser.parse_args(argv)
@@ -435,12 +450,17 @@ def main(argv=None):
         args.head,
         recompute_on=x_train[:10000] if args.recompute_batch_norm else None,
     )
+    callbacks = [metrics]
+    if args.recompute_callback:
+        callbacks.insert(
+            0, keras_duq.callbacks.RecomputeBatchNormStatistics(x_train[:10000])
+        )
     model.fit(
         x_train,
         y_train,
         batch_size=args.batch_size,
         epochs=args.epochs,
-        callbacks=[metrics],
+        callbacks=callbacks,
         verbose=0,
     )
     record = {
@@ -452,6 +472,7 @@ def main(argv=None):
         "standardize": args.standardize,
         "input_normalization": args.input_normalization,
         "recompute_batch_norm": args.recompute_batch_norm,
+        "recompute_callback": args.recompute_callback,
         "optimizer": args.optimizer,
         "projection_learning_rate": args.projection_learning_rate,
         "head_projection_learning_rate": (

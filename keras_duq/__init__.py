@@ -23,7 +23,8 @@ Around it, each in its own namespace (imported on first use):
 - `keras_duq.evaluation`: certainty scores, OoD metrics (AUROC, AUPR,
   FPR at 95% TPR), misclassification AUROC, rejection curves.
 - `keras_duq.callbacks`: `OODEvaluation`, OoD metrics logged during `fit`;
-  `HealthCheck`, the health checks.
+  `HealthCheck`, the health checks; `RecomputeBatchNormStatistics`,
+  BatchNormalization statistics re-estimated after each epoch.
 - `keras_duq.plots`: the paper's figures (needs matplotlib).
 - `keras_duq.datasets`: the paper's FashionMNIST vs MNIST data, offline.
 

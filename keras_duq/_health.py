@@ -479,7 +479,9 @@ def _check_batch_norm(model, comparison, where):
         "(error of the normalised output, in standard deviations; small "
         f"errors add up over layers): {listed}. Fix: re-estimate the "
         "statistics after training with "
-        "`keras_duq.recompute_batch_norm_statistics(model, x_train[:10000])`, "
+        "`keras_duq.recompute_batch_norm_statistics(model, x_train[:10000])` "
+        "(or after every epoch with the callback "
+        "`keras_duq.callbacks.RecomputeBatchNormStatistics(x_train[:10000])`), "
         "lower these layers' `momentum` (Keras's default 0.99 lags behind "
         "weights that change fast; e.g. 0.9), or train for more steps. "
         "Logged per epoch as `batch_norm_gap`.",
@@ -877,7 +879,12 @@ def with_health_check(
     if any(isinstance(callback, HealthCheck) for callback in callbacks):
         return args, kwargs
     inputs, chunk_size = sample_inputs(arguments.get("x"), arguments.get("batch_size"))
-    arguments["callbacks"] = [HealthCheck(inputs, batch_size=chunk_size)] + callbacks
+    # Re-estimated statistics first, so that the checks and the user's
+    # callbacks (checkpoints, early stopping) see them; then the health
+    # check, whose logs every other callback sees.
+    first = [c for c in callbacks if isinstance(c, RecomputeBatchNormStatistics)]
+    rest = [c for c in callbacks if not isinstance(c, RecomputeBatchNormStatistics)]
+    arguments["callbacks"] = first + [HealthCheck(inputs, batch_size=chunk_size)] + rest
     return bound.args, bound.kwargs
 
 
@@ -996,17 +1003,8 @@ def recompute_batch_norm_statistics(
         The names of the BatchNormalization layers whose statistics were
         re-estimated.
     """
-    if steps is not None:
-        check_positive_int("steps", steps)
-    check_positive_int("batch_size", batch_size)
-    layers = _batch_norm_layers(model)
-    if not layers:
-        raise ValueError(
-            "`recompute_batch_norm_statistics` found no BatchNormalization "
-            "layer that training updates in this model (none, or all frozen "
-            "with `trainable=False` or `momentum=1`): there is nothing to "
-            f"re-estimate. Received: `model={model.name!r}`"
-        )
+    _check_recompute_arguments(data, steps, batch_size)
+    layers = _updated_batch_norm_layers(model, "`recompute_batch_norm_statistics`")
     _, statistics = _average_statistics(
         model, layers, _batches(data, batch_size, steps), keep_outputs=False
     )
@@ -1026,25 +1024,54 @@ def recompute_batch_norm_statistics(
     return [layer.name for layer in layers]
 
 
+def _check_recompute_arguments(data, steps, batch_size):
+    """Raises for arguments `recompute_batch_norm_statistics` cannot use."""
+    if steps is not None:
+        check_positive_int("steps", steps)
+    check_positive_int("batch_size", batch_size)
+    if isinstance(data, tuple):
+        data = _inputs_of(data)
+    if steps is None and _is_endless(data):
+        raise ValueError(
+            "`recompute_batch_norm_statistics` received an endless dataset: "
+            "pass `steps`, the number of batches to average over. Received: "
+            "`steps=None`"
+        )
+
+
+def _is_endless(data):
+    if isinstance(data, keras.utils.PyDataset):
+        return data.num_batches is None
+    tf = sys.modules.get("tensorflow")
+    return (
+        tf is not None
+        and isinstance(data, tf.data.Dataset)
+        and data.cardinality() == tf.data.INFINITE_CARDINALITY
+    )
+
+
+def _updated_batch_norm_layers(model, caller):
+    """`_batch_norm_layers(model)`, or a `ValueError` naming `caller` when there are none."""
+    layers = _batch_norm_layers(model)
+    if not layers:
+        raise ValueError(
+            f"{caller} found no BatchNormalization layer that training updates "
+            "in this model (none, or all frozen with `trainable=False` or "
+            "`momentum=1`): there is nothing to re-estimate. Received: "
+            f"`model={model.name!r}`"
+        )
+    return layers
+
+
 def _batches(data, batch_size, steps):
-    """Batches of inputs from `data`, at most `steps` of them."""
+    """Batches of inputs from `data` (checked beforehand), at most `steps` of them."""
     if isinstance(data, tuple):
         data = _inputs_of(data)
     if _is_stream(data):
         if isinstance(data, keras.utils.PyDataset):
-            if data.num_batches is None and steps is None:
-                raise ValueError(_ENDLESS_MESSAGE)
             total = min(n for n in (data.num_batches, steps) if n is not None)
             elements = (data[i] for i in range(total))
         else:
-            tf = sys.modules.get("tensorflow")
-            if (
-                steps is None
-                and tf is not None
-                and isinstance(data, tf.data.Dataset)
-                and data.cardinality() == tf.data.INFINITE_CARDINALITY
-            ):
-                raise ValueError(_ENDLESS_MESSAGE)
             elements = iter(data)
         for step, element in enumerate(elements):
             if steps is not None and step >= steps:
@@ -1056,12 +1083,6 @@ def _batches(data, batch_size, steps):
         yield keras.tree.map_structure(np.asarray, chunk)
 
 
-_ENDLESS_MESSAGE = (
-    "`recompute_batch_norm_statistics` received an endless dataset: pass "
-    "`steps`, the number of batches to average over. Received: `steps=None`"
-)
-
-
 def _is_stream(data):
     if isinstance(data, keras.utils.PyDataset):
         return True
@@ -1069,3 +1090,103 @@ def _is_stream(data):
     if tf is not None and isinstance(data, tf.data.Dataset):
         return True
     return not isinstance(data, (tuple, list, dict)) and not hasattr(data, "shape")
+
+
+class RecomputeBatchNormStatistics(keras.callbacks.Callback):
+    """Re-estimates BatchNormalization statistics from data after each epoch of `fit`.
+
+    `keras_duq.recompute_batch_norm_statistics(model, data)` after every
+    epoch's training steps: before the validation pass (so `val_` metrics,
+    checkpoints, early stopping and the health checks see settled
+    statistics) and at the end of `fit`. A short training, or Keras's default
+    BatchNormalization `momentum=0.99`, leaves the moving statistics behind
+    the weights, and inference mode (`evaluate`, `predict`) computes what
+    training never saw; on a five-layer BatchNormalization CNN after 3 epochs
+    re-estimating them gained 0.04 to 0.05 of test accuracy
+    (docs/own_model.md). Training itself is unchanged: it normalises with
+    each batch's statistics, and the moving averages go on from the
+    re-estimated values.
+
+    `DUQModel.fit` runs this callback before its other callbacks, so that
+    they see the re-estimated statistics; with `health_checks=False`, or
+    with another model, put it first in `callbacks`. Each re-estimation
+    costs one training-mode forward pass over `data` (or `steps` batches of
+    it): a few thousand examples suffice.
+
+    Example:
+
+    ```python
+    model.fit(
+        x_train, y_train, epochs=3, validation_data=(x_val, y_val),
+        callbacks=[keras_duq.callbacks.RecomputeBatchNormStatistics(x_train[:10000])],
+    )
+    ```
+
+    Args:
+        data: training inputs, re-read after every epoch: an array (or a list
+            or dict of arrays), a tuple `(x, y)`, a `tf.data.Dataset` or a
+            `keras.utils.PyDataset` yielding batches of `x` or
+            `(x, y[, sample_weight])`. Labels are ignored.
+        steps: int >= 1 or `None`, the number of batches to use. `None`
+            (default) uses all of `data` once; an endless dataset needs it.
+        batch_size: int >= 1, the batch size used for arrays (as in
+            training: the statistics are those of batches of this size).
+            Defaults to `128`.
+    """
+
+    def __init__(self, data: Any, steps: int | None = None, batch_size: int = 128):
+        super().__init__()
+        _check_recompute_arguments(data, steps, batch_size)
+        if _is_stream(data) and iter(data) is data:
+            raise ValueError(
+                "`RecomputeBatchNormStatistics` reads `data` after every epoch, "
+                "so it needs data it can read again: arrays, a "
+                "`tf.data.Dataset` or a `keras.utils.PyDataset`. Received: a "
+                f"one-time iterator of type {type(data).__name__}"
+            )
+        if not _is_stream(data) and _is_empty(data):
+            raise ValueError(
+                "`RecomputeBatchNormStatistics` received no data: pass training "
+                "inputs with at least one example. Received: an empty `data`"
+            )
+        self.data = data
+        self.steps = steps
+        self.batch_size = batch_size
+        self._in_fit = False
+        self._stale = False
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        # Before the first step, so that a model without BatchNormalization
+        # fails before any training.
+        _updated_batch_norm_layers(self.model, "`RecomputeBatchNormStatistics`")
+        self._in_fit = True
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self._stale = True
+
+    def on_test_begin(self, logs: dict | None = None) -> None:
+        # During `fit`, this is the validation pass after the epoch's steps.
+        if self._in_fit:
+            self._recompute()
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        self._recompute()
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        self._in_fit = False
+
+    def _recompute(self) -> None:
+        if self._stale:
+            recompute_batch_norm_statistics(
+                self.model, self.data, self.steps, self.batch_size
+            )
+            self._stale = False
+
+
+def _is_empty(data):
+    if isinstance(data, tuple):
+        data = _inputs_of(data)
+    arrays = keras.tree.flatten(data)
+    return not arrays or any(
+        hasattr(a, "shape") and len(a.shape) and int(a.shape[0]) == 0 for a in arrays
+    )

@@ -1,4 +1,10 @@
-"""Keras callbacks for uncertainty evaluation and health checks during `fit`."""
+"""Keras callbacks for uncertainty evaluation and health checks during `fit`.
+
+- `OODEvaluation`: out-of-distribution metrics logged after each epoch.
+- `HealthCheck`: the health checks (`fit` adds one itself).
+- `RecomputeBatchNormStatistics`: BatchNormalization statistics
+  re-estimated from training data after each epoch.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ import numpy as np
 
 from keras_duq import _health
 from keras_duq._health import HealthCheck  # noqa: F401 - public here
+from keras_duq._health import RecomputeBatchNormStatistics  # noqa: F401 - public here
 from keras_duq._validation import check_int
 from keras_duq.evaluation import CERTAINTY_METHODS
 from keras_duq.evaluation import certainty_scores

@@ -150,6 +150,34 @@ def test_own_model_summary_gives_re_estimated_statistics_a_row_of_their_own(tmp_
     ]
 
 
+def test_own_model_summary_separates_optimizer_feature_layer_and_callback(tmp_path):
+    from benchmarks.own_model_defaults import summarize
+
+    def record(head, **setup):
+        epochs = [{"epoch": 1, "accuracy": 0.5, "auroc": 0.6}]
+        return dict(
+            backbone="mlp", head=head, wrap_kwargs={}, seed=0, epochs=epochs, **setup
+        )
+
+    records = [
+        record("softmax", optimizer="adam", feature_layer="none"),
+        record("softmax", optimizer="sgd", feature_layer="none"),
+        record("softmax", optimizer="adam", feature_layer="layer_norm"),
+        record("duq", optimizer="adam", recompute_callback=True),
+    ]
+    path = tmp_path / "runs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    heads = [
+        row.split(" | ")[1] for row in summarize(path, at_epochs=(1,)).splitlines()[2:]
+    ]
+    assert heads == [
+        "duq, RecomputeBatchNormStatistics",
+        "softmax",
+        "softmax, + layer_norm on the features",
+        "softmax, SGD",
+    ]
+
+
 @pytest.mark.slow
 def test_tuning_fashion_mnist_quickstart_recipe_records_every_candidate(
     tmp_path, keras_home, mnist_dir

@@ -492,6 +492,67 @@ def test_recompute_batch_norm_statistics_errors_change_nothing():
     keras_duq.recompute_batch_norm_statistics(model, endless, steps=2)
 
 
+def test_recompute_callback_settles_statistics_before_validation_and_at_the_end():
+    # The unsettled setup of the test above; the callback re-estimates the
+    # statistics on all the inputs as one batch after each epoch's steps.
+    model = _model(layers=[keras.layers.BatchNormalization(name="input_bn")])
+    x, y = _data(n=64, scale=10.0, shift=5.0)
+    gaps_at_validation = []
+    probe = keras.callbacks.LambdaCallback(
+        on_test_begin=lambda logs: gaps_at_validation.append(_relative_gap(model, x))
+    )
+    recompute = keras_duq.callbacks.RecomputeBatchNormStatistics(x, batch_size=len(x))
+    with _Recorder() as recorder:
+        # Passed after the probe: `fit` runs it first all the same.
+        history = _fit(
+            model,
+            x,
+            y,
+            epochs=2,
+            batch_size=16,
+            validation_data=(x, y),
+            callbacks=[probe, recompute],
+        ).history
+        model.evaluate(x, y, verbose=0)
+    assert len(gaps_at_validation) == 2 and max(gaps_at_validation) < 1e-4
+    assert max(history["batch_norm_gap"]) < _health.BATCH_NORM_GAP
+    assert _relative_gap(model, x) < 1e-4
+    assert recorder.of(keras_duq.BatchNormStatisticsWarning) == []
+
+
+def test_recompute_callback_without_validation_recomputes_at_epoch_end():
+    model = _model(layers=[keras.layers.BatchNormalization()], health_checks=False)
+    x, y = _data(n=64, scale=10.0, shift=5.0)
+    callback = keras_duq.callbacks.RecomputeBatchNormStatistics(x, batch_size=len(x))
+    _fit(model, x, y, batch_size=16, callbacks=[callback])
+    assert _relative_gap(model, x) < 1e-4
+
+
+def test_recompute_callback_bad_arguments_raise_before_training():
+    x, y = _data(n=32)
+    callbacks = keras_duq.callbacks
+    with pytest.raises(ValueError, match="steps"):
+        callbacks.RecomputeBatchNormStatistics(x, steps=0)
+    with pytest.raises(ValueError, match="batch_size"):
+        callbacks.RecomputeBatchNormStatistics(x, batch_size=0)
+    with pytest.raises(ValueError, match="endless"):
+        callbacks.RecomputeBatchNormStatistics(
+            tf.data.Dataset.from_tensor_slices(x).batch(8).repeat()
+        )
+    with pytest.raises(ValueError, match="read again"):
+        callbacks.RecomputeBatchNormStatistics(iter([x[:8], x[8:16]]))
+    with pytest.raises(ValueError, match="no data"):
+        callbacks.RecomputeBatchNormStatistics(x[:0])
+    # A model without BatchNormalization fails before its first step.
+    model = _model()
+    state = [keras.ops.convert_to_numpy(v).copy() for v in model.weights]
+    with pytest.raises(ValueError, match="found no BatchNormalization"):
+        _fit(model, x, y, callbacks=[callbacks.RecomputeBatchNormStatistics(x)])
+    for old, variable in zip(state, model.weights):
+        np.testing.assert_array_equal(old, keras.ops.convert_to_numpy(variable))
+    assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == 0
+
+
 # ------------------------------------------------------------ other settings
 
 
