@@ -1103,9 +1103,10 @@ class RecomputeBatchNormStatistics(keras.callbacks.Callback):
     the weights, and inference mode (`evaluate`, `predict`) computes what
     training never saw; on a five-layer BatchNormalization CNN after 3 epochs
     re-estimating them gained 0.04 to 0.05 of test accuracy
-    (docs/own_model.md). Training itself is unchanged: it normalises with
-    each batch's statistics, and the moving averages go on from the
-    re-estimated values.
+    (docs/own_model.md). The weights go on training with each batch's own
+    statistics and the moving averages go on from the re-estimated values;
+    a DUQ model's centroid updates, which compute features in inference
+    mode, use them from the next step on.
 
     `DUQModel.fit` runs this callback before its other callbacks, so that
     they see the re-estimated statistics; with `health_checks=False`, or
