@@ -5,7 +5,9 @@ MobileNetV2 (alpha 0.35, from scratch, 32x32 RGB in [-1, 1]) under
 `keras_duq.wrap(backbone, 10, momentum=0.99)`, trained on the notebook's 6,000
 FashionMNIST training images with batch 64 and either SGD with momentum 0.9
 and a cosine decay from 0.05 (`--optimizer sgd`) or Adam at its default rate
-(`--optimizer adam`). The notebook reads PNG files through
+(`--optimizer adam`); `--head softmax` puts a `Dense(10, "softmax")` on the
+same backbone instead, `--policy float32` trains without mixed precision.
+The notebook reads PNG files through
 `tensorflow_datasets`; this reads the same images as arrays. After each epoch:
 test accuracy on the notebook's 1,000 test images, training accuracy, median
 certainty and the AUROC of the certainty against 1,000 MNIST test digits.
@@ -45,7 +47,7 @@ def prepare(images):
     return (tf.image.grayscale_to_rgb(x) / 127.5 - 1.0).numpy()
 
 
-def build(optimizer, epochs):
+def build(optimizer, epochs, head="duq", wrap_kwargs=None, feature_layer="none"):
     backbone = keras.applications.MobileNetV2(
         input_shape=(IMAGE_SIZE, IMAGE_SIZE, 3),
         include_top=False,
@@ -56,19 +58,48 @@ def build(optimizer, epochs):
     for layer in backbone.layers:
         if isinstance(layer, keras.layers.BatchNormalization):
             layer.momentum = 0.9
-    model = keras_duq.wrap(backbone, 10, momentum=0.99)
+    if feature_layer == "batch_norm":
+        backbone = keras.Sequential(
+            [backbone, keras.layers.BatchNormalization(momentum=0.9)]
+        )
+    elif feature_layer == "layer_norm":
+        backbone = keras.Sequential([backbone, keras.layers.LayerNormalization()])
     if optimizer == "sgd":
         steps = epochs * int(np.ceil(NUM_TRAIN / BATCH_SIZE))
         schedule = keras.optimizers.schedules.CosineDecay(0.05, decay_steps=steps)
-        model.compile(optimizer=keras.optimizers.SGD(schedule, momentum=0.9))
+        optimizer = keras.optimizers.SGD(schedule, momentum=0.9)
     else:
-        model.compile(optimizer=keras.optimizers.Adam())
+        optimizer = keras.optimizers.Adam()
+    if head == "softmax":
+        outputs = keras.layers.Dense(10, activation="softmax", dtype="float32")
+        model = keras.Sequential([backbone, outputs])
+        model.compile(
+            optimizer=optimizer,
+            loss="sparse_categorical_crossentropy",
+            metrics=["accuracy"],
+        )
+        return model
+    model = keras_duq.wrap(backbone, 10, **{"momentum": 0.99, **(wrap_kwargs or {})})
+    model.compile(optimizer=optimizer)
     return model
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--optimizer", choices=("sgd", "adam"), default="adam")
+    parser.add_argument("--head", choices=("duq", "softmax"), default="duq")
+    parser.add_argument(
+        "--wrap-json", default="{}", help="More `wrap` arguments, as JSON."
+    )
+    parser.add_argument(
+        "--policy", choices=("mixed_bfloat16", "float32"), default="mixed_bfloat16"
+    )
+    parser.add_argument(
+        "--feature-layer",
+        choices=("none", "batch_norm", "layer_norm"),
+        default="none",
+        help="A normalisation layer appended to the backbone's pooled features.",
+    )
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--mnist-path", default=None)
@@ -81,9 +112,12 @@ def main(argv=None):
     x_test, y_test = prepare(x_test[:NUM_TEST]), y_test[:NUM_TEST]
     x_ood = prepare(x_ood[:NUM_TEST])
 
-    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    keras.mixed_precision.set_global_policy(args.policy)
     keras.utils.set_random_seed(args.seed)
-    model = build(args.optimizer, args.epochs)
+    wrap_kwargs = json.loads(args.wrap_json)
+    model = build(
+        args.optimizer, args.epochs, args.head, wrap_kwargs, args.feature_layer
+    )
     rows = []
     start = time.time()
 
@@ -111,6 +145,10 @@ def main(argv=None):
         callbacks=[keras.callbacks.LambdaCallback(on_epoch_end=measure)],
     )
     record = {
+        "head": args.head,
+        "wrap_kwargs": wrap_kwargs,
+        "policy": args.policy,
+        "feature_layer": args.feature_layer,
         "optimizer": args.optimizer,
         "seed": args.seed,
         "keras_duq": keras_duq.__version__,
