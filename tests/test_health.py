@@ -493,8 +493,9 @@ def test_recompute_batch_norm_statistics_errors_change_nothing():
 
 
 def test_recompute_callback_settles_statistics_before_validation_and_at_the_end():
-    # The unsettled setup of the test above; the callback re-estimates the
-    # statistics on all the inputs as one batch after each epoch's steps.
+    # The setup that warns in test_unsettled_batch_norm_statistics_warn_and_
+    # name_the_layer; the callback re-estimates the statistics on all the
+    # inputs as one batch after each epoch's steps.
     model = _model(layers=[keras.layers.BatchNormalization(name="input_bn")])
     x, y = _data(n=64, scale=10.0, shift=5.0)
     gaps_at_validation = []
