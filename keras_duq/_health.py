@@ -1003,16 +1003,16 @@ def recompute_batch_norm_statistics(
         The names of the BatchNormalization layers whose statistics were
         re-estimated.
     """
-    _check_recompute_arguments(data, steps, batch_size)
-    layers = _updated_batch_norm_layers(model, "`recompute_batch_norm_statistics`")
+    caller = "`recompute_batch_norm_statistics`"
+    _check_recompute_arguments(data, steps, batch_size, caller)
+    layers = _updated_batch_norm_layers(model, caller)
     _, statistics = _average_statistics(
         model, layers, _batches(data, batch_size, steps), keep_outputs=False
     )
-    if statistics is None:
+    if statistics is None:  # an empty stream: arrays were checked above
         raise ValueError(
-            "`recompute_batch_norm_statistics` received no data: pass "
-            "training inputs with at least one example. Received: an empty "
-            "`data`"
+            f"{caller} received no data: pass training inputs with at least "
+            "one example. Received: an empty `data`"
         )
     for layer, (mean, variance) in statistics.items():
         layer.moving_mean.assign(mean.astype(layer.moving_mean.dtype))
@@ -1024,8 +1024,8 @@ def recompute_batch_norm_statistics(
     return [layer.name for layer in layers]
 
 
-def _check_recompute_arguments(data, steps, batch_size):
-    """Raises for arguments `recompute_batch_norm_statistics` cannot use."""
+def _check_recompute_arguments(data, steps, batch_size, caller):
+    """Raises, naming `caller`, for arguments the re-estimation cannot use."""
     if steps is not None:
         check_positive_int("steps", steps)
     check_positive_int("batch_size", batch_size)
@@ -1033,9 +1033,13 @@ def _check_recompute_arguments(data, steps, batch_size):
         data = _inputs_of(data)
     if steps is None and _is_endless(data):
         raise ValueError(
-            "`recompute_batch_norm_statistics` received an endless dataset: "
-            "pass `steps`, the number of batches to average over. Received: "
-            "`steps=None`"
+            f"{caller} received an endless dataset: pass `steps`, the number "
+            "of batches to average over. Received: `steps=None`"
+        )
+    if not _is_stream(data) and _is_empty(data):
+        raise ValueError(
+            f"{caller} received no data: pass training inputs with at least "
+            "one example. Received: an empty `data`"
         )
 
 
@@ -1092,6 +1096,9 @@ def _is_stream(data):
     return not isinstance(data, (tuple, list, dict)) and not hasattr(data, "shape")
 
 
+_CALLBACK = "`RecomputeBatchNormStatistics`"
+
+
 class RecomputeBatchNormStatistics(keras.callbacks.Callback):
     """Re-estimates BatchNormalization statistics from data after each epoch of `fit`.
 
@@ -1137,44 +1144,35 @@ class RecomputeBatchNormStatistics(keras.callbacks.Callback):
 
     def __init__(self, data: Any, steps: int | None = None, batch_size: int = 128):
         super().__init__()
-        _check_recompute_arguments(data, steps, batch_size)
+        _check_recompute_arguments(data, steps, batch_size, _CALLBACK)
         if _is_stream(data) and iter(data) is data:
             raise ValueError(
-                "`RecomputeBatchNormStatistics` reads `data` after every epoch, "
-                "so it needs data it can read again: arrays, a "
-                "`tf.data.Dataset` or a `keras.utils.PyDataset`. Received: a "
-                f"one-time iterator of type {type(data).__name__}"
-            )
-        if not _is_stream(data) and _is_empty(data):
-            raise ValueError(
-                "`RecomputeBatchNormStatistics` received no data: pass training "
-                "inputs with at least one example. Received: an empty `data`"
+                f"{_CALLBACK} reads `data` after every epoch, so it needs data "
+                "it can read again: arrays, a `tf.data.Dataset` or a "
+                "`keras.utils.PyDataset`. Received: a one-time iterator of "
+                f"type {type(data).__name__}"
             )
         self.data = data
         self.steps = steps
         self.batch_size = batch_size
-        self._in_fit = False
+        # True from the start of an epoch of `fit` until its re-estimation.
         self._stale = False
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         # Before the first step, so that a model without BatchNormalization
         # fails before any training.
-        _updated_batch_norm_layers(self.model, "`RecomputeBatchNormStatistics`")
-        self._in_fit = True
+        _updated_batch_norm_layers(self.model, _CALLBACK)
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._stale = True
 
     def on_test_begin(self, logs: dict | None = None) -> None:
-        # During `fit`, this is the validation pass after the epoch's steps.
-        if self._in_fit:
-            self._recompute()
+        # Within an epoch of `fit`, this is its validation pass; `evaluate`
+        # outside `fit` finds nothing stale and changes nothing.
+        self._recompute()
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         self._recompute()
-
-    def on_train_end(self, logs: dict | None = None) -> None:
-        self._in_fit = False
 
     def _recompute(self) -> None:
         if self._stale:
