@@ -6,7 +6,11 @@ MobileNetV2 (alpha 0.35, from scratch, 32x32 RGB in [-1, 1]) under
 FashionMNIST training images with batch 64 and either SGD with momentum 0.9
 and a cosine decay from 0.05 (`--optimizer sgd`) or Adam at its default rate
 (`--optimizer adam`); `--head softmax` puts a `Dense(10, "softmax")` on the
-same backbone instead, `--policy float32` trains without mixed precision.
+same backbone instead, `--policy float32` trains without mixed precision,
+`--penalty-start-epoch 2` trains the first epoch without the gradient penalty,
+`--recompute-callback` re-estimates BatchNormalization statistics after every
+epoch (`keras_duq.callbacks.RecomputeBatchNormStatistics` on 2,000 training
+images).
 The notebook reads PNG files through
 `tensorflow_datasets`; this reads the same images as arrays. After each epoch:
 test accuracy on the notebook's 1,000 test images, training accuracy, median
@@ -84,6 +88,24 @@ def build(optimizer, epochs, head="duq", wrap_kwargs=None, feature_layer="none")
     return model
 
 
+class DelayedPenalty(keras.callbacks.Callback):
+    """Trains without the gradient penalty before epoch `start_epoch` (1-based)."""
+
+    def __init__(self, start_epoch):
+        super().__init__()
+        self.start_epoch = start_epoch
+        self.weight = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if self.weight is None:
+            self.weight = self.model.gradient_penalty
+        weight = self.weight if epoch + 1 >= self.start_epoch else 0.0
+        if weight != self.model.gradient_penalty:
+            # The weight is read when the step is traced: trace it again.
+            self.model.gradient_penalty = weight
+            self.model.make_train_function(force=True)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--optimizer", choices=("sgd", "adam"), default="adam")
@@ -99,6 +121,17 @@ def main(argv=None):
         choices=("none", "batch_norm", "layer_norm"),
         default="none",
         help="A normalisation layer appended to the backbone's pooled features.",
+    )
+    parser.add_argument(
+        "--penalty-start-epoch",
+        type=int,
+        default=1,
+        help="DUQ only: the first epoch (1-based) trained with the penalty.",
+    )
+    parser.add_argument(
+        "--recompute-callback",
+        action="store_true",
+        help="DUQ only: re-estimate BatchNormalization statistics after every epoch.",
     )
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
@@ -132,23 +165,37 @@ def main(argv=None):
             "train_accuracy": float(logs["accuracy"]),
             "train_loss": float(logs["loss"]),
             "time_s": time.time() - start,
+            # Keras's logs (DUQ's health metrics included); NaN as null.
+            "logs": {
+                key: float(value) if np.isfinite(value) else None
+                for key, value in logs.items()
+            },
         }
         rows.append(row)
         print(json.dumps(row), flush=True)
 
+    callbacks = [keras.callbacks.LambdaCallback(on_epoch_end=measure)]
+    if args.head == "duq":
+        callbacks.append(DelayedPenalty(args.penalty_start_epoch))
+        if args.recompute_callback:
+            callbacks.append(
+                keras_duq.callbacks.RecomputeBatchNormStatistics(x_train[:2000])
+            )
     model.fit(
         x_train,
         y_train,
         batch_size=BATCH_SIZE,
         epochs=args.epochs,
         verbose=0,
-        callbacks=[keras.callbacks.LambdaCallback(on_epoch_end=measure)],
+        callbacks=callbacks,
     )
     record = {
         "head": args.head,
         "wrap_kwargs": wrap_kwargs,
         "policy": args.policy,
         "feature_layer": args.feature_layer,
+        "penalty_start_epoch": args.penalty_start_epoch,
+        "recompute_callback": args.recompute_callback,
         "optimizer": args.optimizer,
         "seed": args.seed,
         "keras_duq": keras_duq.__version__,
