@@ -145,6 +145,43 @@ def dropout_backbone():
     )
 
 
+def _keras_io_layers():
+    return [
+        keras.Input((28, 28, 1)),
+        keras.layers.Conv2D(32, 3, activation="relu"),
+        keras.layers.MaxPooling2D(),
+        keras.layers.Conv2D(64, 3, activation="relu"),
+        keras.layers.MaxPooling2D(),
+        keras.layers.Flatten(),
+    ]
+
+
+def keras_io_backbone():
+    """keras.io's "Simple MNIST convnet" without its classifier: features
+    are the flattened, dropped-out feature maps (1,600 of them)."""
+    return keras.Sequential([*_keras_io_layers(), keras.layers.Dropout(0.5)])
+
+
+def keras_io_no_dropout_backbone():
+    """`keras_io` without its last layer (the Dropout)."""
+    return keras.Sequential(_keras_io_layers())
+
+
+def mlp_dropout_backbone():
+    """keras.io's MNIST MLP without its classifier: two dense layers of 512
+    units, each followed by dropout 0.2."""
+    return keras.Sequential(
+        [
+            keras.Input((28, 28, 1)),
+            keras.layers.Flatten(),
+            keras.layers.Dense(512, activation="relu"),
+            keras.layers.Dropout(0.2),
+            keras.layers.Dense(512, activation="relu"),
+            keras.layers.Dropout(0.2),
+        ]
+    )
+
+
 BACKBONES = {
     "quickstart": quickstart_backbone,
     "paper": paper_backbone,
@@ -152,6 +189,9 @@ BACKBONES = {
     "batchnorm_small": batchnorm_small_backbone,
     "mlp": mlp_backbone,
     "dropout": dropout_backbone,
+    "keras_io": keras_io_backbone,
+    "keras_io_no_dropout": keras_io_no_dropout_backbone,
+    "mlp_dropout": mlp_dropout_backbone,
 }
 
 

@@ -56,6 +56,7 @@ from keras_duq._health import BatchNormStatisticsWarning
 from keras_duq._health import CentroidWarning
 from keras_duq._health import ConstantPenaltyWarning
 from keras_duq._health import DUQHealthWarning
+from keras_duq._health import FeatureDropoutWarning
 from keras_duq._health import InputScaleWarning
 from keras_duq._health import KernelUnderflowWarning
 from keras_duq._health import recompute_batch_norm_statistics
@@ -72,6 +73,7 @@ __all__ = [
     "DUQHealthWarning",
     "DUQModel",
     "DUQOutput",
+    "FeatureDropoutWarning",
     "InputScaleWarning",
     "KernelUnderflowWarning",
     "SpectralNormalization",

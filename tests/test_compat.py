@@ -167,4 +167,5 @@ def test_moved_names_still_work_with_a_deprecation_warning():
         "SpectralNormalization",
         "spectral_normalize",
         "InputScaleWarning",
+        "FeatureDropoutWarning",
     }

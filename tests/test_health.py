@@ -630,6 +630,77 @@ def test_keras_applications_backbone_with_collapsed_inference_certainty_warns():
     assert "`predict`" in message and "_bn" in message
 
 
+# ------------------------------------------------------------ feature noise
+
+
+def _dropout_last():
+    return keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(16, "relu"), keras.layers.Dropout(0.5)]
+    )
+
+
+def _dropout_then_flatten():
+    inputs = keras.Input((4,))
+    x = keras.layers.Reshape((4, 4))(keras.layers.Dense(16, "relu")(inputs))
+    x = keras.layers.SpatialDropout1D(0.2, name="spatial")(x)
+    return keras.Model(inputs, keras.layers.Flatten()(x))
+
+
+def _nested_noise():
+    inner = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(8), keras.layers.GaussianNoise(0.1)]
+    )
+    return keras.Sequential([keras.Input((4,)), inner])
+
+
+@pytest.mark.parametrize(
+    "build, name",
+    [
+        (_dropout_last, "dropout"),
+        (_dropout_then_flatten, "spatial"),
+        (_nested_noise, "gaussian_noise"),
+    ],
+)
+def test_features_out_of_a_noise_layer_warn_once_at_the_start_of_fit(build, name):
+    keras.utils.set_random_seed(0)
+    model = keras_duq.wrap(build(), 3)
+    model.compile(optimizer="sgd")
+    x, y = _data(n=32)
+    with _Recorder() as record:
+        _fit(model, x, y, batch_size=16)
+        _fit(model, x, y, batch_size=16)
+    (message,) = record.of(keras_duq.FeatureDropoutWarning)
+    assert f"`{name}" in message and "Remove that layer" in message
+
+
+class _DropoutDefinedLast(keras.Model):
+    """Creates its Dropout last but applies it first."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(8)
+        self.dropout = keras.layers.Dropout(0.5)
+
+    def call(self, x, training=None):
+        return self.dense(self.dropout(x, training=training))
+
+
+def test_noise_before_the_last_dense_layer_or_health_checks_off_do_not_warn():
+    dense_last = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dropout(0.5), keras.layers.Dense(8)]
+    )
+    x, y = _data(n=32)
+    for model in (
+        keras_duq.wrap(dense_last, 3),
+        keras_duq.wrap(_DropoutDefinedLast(), 3, input_shape=(4,)),
+        keras_duq.wrap(_dropout_last(), 3, health_checks=False),
+    ):
+        model.compile(optimizer="sgd")
+        with _Recorder() as record:
+            _fit(model, x, y, batch_size=16)
+        assert not record.of(keras_duq.FeatureDropoutWarning)
+
+
 # ------------------------------------------------------------- input scale
 
 
