@@ -129,23 +129,8 @@ def mlp_backbone():
     )
 
 
-def dropout_backbone():
-    """Conv, max pooling, dropout and a dense layer: a keras.io-style CNN."""
-    return keras.Sequential(
-        [
-            keras.Input((28, 28, 1)),
-            keras.layers.Conv2D(32, 3, activation="relu"),
-            keras.layers.MaxPooling2D(),
-            keras.layers.Conv2D(64, 3, activation="relu"),
-            keras.layers.MaxPooling2D(),
-            keras.layers.Flatten(),
-            keras.layers.Dropout(0.5),
-            keras.layers.Dense(128, activation="relu"),
-        ]
-    )
-
-
 def _keras_io_layers():
+    """keras.io's "Simple MNIST convnet" up to its flattened feature maps."""
     return [
         keras.Input((28, 28, 1)),
         keras.layers.Conv2D(32, 3, activation="relu"),
@@ -154,6 +139,17 @@ def _keras_io_layers():
         keras.layers.MaxPooling2D(),
         keras.layers.Flatten(),
     ]
+
+
+def dropout_backbone():
+    """Conv, max pooling, dropout and a dense layer: a keras.io-style CNN."""
+    return keras.Sequential(
+        [
+            *_keras_io_layers(),
+            keras.layers.Dropout(0.5),
+            keras.layers.Dense(128, activation="relu"),
+        ]
+    )
 
 
 def keras_io_backbone():
