@@ -94,11 +94,11 @@ class DelayedPenalty(keras.callbacks.Callback):
     def __init__(self, start_epoch):
         super().__init__()
         self.start_epoch = start_epoch
-        self.weight = None
+
+    def on_train_begin(self, logs=None):
+        self.weight = self.model.gradient_penalty
 
     def on_epoch_begin(self, epoch, logs=None):
-        if self.weight is None:
-            self.weight = self.model.gradient_penalty
         weight = self.weight if epoch + 1 >= self.start_epoch else 0.0
         if weight != self.model.gradient_penalty:
             # The weight is read when the step is traced: trace it again.
@@ -176,7 +176,8 @@ def main(argv=None):
 
     callbacks = [keras.callbacks.LambdaCallback(on_epoch_end=measure)]
     if args.head == "duq":
-        callbacks.append(DelayedPenalty(args.penalty_start_epoch))
+        if args.penalty_start_epoch > 1:
+            callbacks.append(DelayedPenalty(args.penalty_start_epoch))
         if args.recompute_callback:
             callbacks.append(
                 keras_duq.callbacks.RecomputeBatchNormStatistics(x_train[:2000])

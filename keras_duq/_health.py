@@ -899,12 +899,8 @@ def _feature_noise_layer(layer):
 
 
 def _check_feature_noise(model):
-    """Warns when the features come out of a dropout or noise layer.
-
-    Measured on FashionMNIST (docs/own_model.md): keras.io's MNIST convnet,
-    which ends in `Dropout(0.5)`, gave DUQ 0.78 test accuracy after 3 epochs
-    where a softmax head reached 0.88 (DUQ without the `Dropout`: 0.85).
-    """
+    """Warns when the features come out of a dropout or noise layer (the
+    measurement behind it: docs/own_model.md, "Dropout right before the head")."""
     layer = _feature_noise_layer(model.feature_extractor)
     if layer is None:
         return
@@ -921,9 +917,9 @@ def _check_feature_noise(model):
         "to that noise than a softmax head: keras.io's MNIST convnet, which "
         "ends in `Dropout(0.5)`, reached 0.78 test accuracy on FashionMNIST "
         "after 3 epochs with DUQ against 0.88 with softmax, and 0.85 with DUQ "
-        "without the `Dropout` (docs/own_model.md). Remove that layer from the backbone (the "
-        "gradient penalty regularises DUQ), or move it before the backbone's "
-        "last Dense layer.",
+        "without the `Dropout` (docs/own_model.md). Remove that layer from the "
+        "backbone (the gradient penalty regularises DUQ), or move it before "
+        "the backbone's last Dense layer.",
     )
 
 
