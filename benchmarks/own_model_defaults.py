@@ -163,19 +163,26 @@ def keras_io_no_dropout_backbone():
     return keras.Sequential(_keras_io_layers())
 
 
+def _mlp_dropout_layers():
+    """keras.io's MNIST MLP up to its second dense layer."""
+    return [
+        keras.Input((28, 28, 1)),
+        keras.layers.Flatten(),
+        keras.layers.Dense(512, activation="relu"),
+        keras.layers.Dropout(0.2),
+        keras.layers.Dense(512, activation="relu"),
+    ]
+
+
 def mlp_dropout_backbone():
     """keras.io's MNIST MLP without its classifier: two dense layers of 512
     units, each followed by dropout 0.2."""
-    return keras.Sequential(
-        [
-            keras.Input((28, 28, 1)),
-            keras.layers.Flatten(),
-            keras.layers.Dense(512, activation="relu"),
-            keras.layers.Dropout(0.2),
-            keras.layers.Dense(512, activation="relu"),
-            keras.layers.Dropout(0.2),
-        ]
-    )
+    return keras.Sequential([*_mlp_dropout_layers(), keras.layers.Dropout(0.2)])
+
+
+def mlp_no_last_dropout_backbone():
+    """`mlp_dropout` without its last layer: its one dropout feeds a Dense."""
+    return keras.Sequential(_mlp_dropout_layers())
 
 
 BACKBONES = {
@@ -188,6 +195,7 @@ BACKBONES = {
     "keras_io": keras_io_backbone,
     "keras_io_no_dropout": keras_io_no_dropout_backbone,
     "mlp_dropout": mlp_dropout_backbone,
+    "mlp_no_last_dropout": mlp_no_last_dropout_backbone,
 }
 
 
@@ -285,6 +293,11 @@ class EpochMetrics(keras.callbacks.Callback):
         row["train_accuracy"] = float(logs.get("accuracy", np.nan))
         if "batch_norm_gap" in logs:
             row["batch_norm_gap"] = float(logs["batch_norm_gap"])
+        # Keras's own logs (loss, DUQ's health metrics); NaN as null.
+        row["logs"] = {
+            key: None if np.isnan(float(value)) else float(value)
+            for key, value in logs.items()
+        }
         if self.recompute_on is not None:
             variables = self.model.non_trainable_variables
             saved = [keras.ops.convert_to_numpy(v) for v in variables]
