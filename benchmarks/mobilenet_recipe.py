@@ -37,6 +37,7 @@ import keras
 import numpy as np
 
 import keras_duq
+from benchmarks.own_model_defaults import json_logs
 from keras_duq import datasets
 from keras_duq import evaluation
 
@@ -165,11 +166,7 @@ def main(argv=None):
             "train_accuracy": float(logs["accuracy"]),
             "train_loss": float(logs["loss"]),
             "time_s": time.time() - start,
-            # Keras's logs (DUQ's health metrics included); NaN as null.
-            "logs": {
-                key: float(value) if np.isfinite(value) else None
-                for key, value in logs.items()
-            },
+            "logs": json_logs(logs),
         }
         rows.append(row)
         print(json.dumps(row), flush=True)

@@ -260,6 +260,14 @@ def load(mnist_path, train_subset, standardize=False):
     return scale(x_train), y_train, scale(x_test), y_test, scale(x_ood)
 
 
+def json_logs(logs):
+    """Keras's epoch logs (loss, DUQ's health metrics) as JSON values: floats,
+    and `None` for a value that is not finite (strict JSON has no NaN)."""
+    return {
+        key: float(value) if np.isfinite(value) else None for key, value in logs.items()
+    }
+
+
 class EpochMetrics(keras.callbacks.Callback):
     """After each epoch: test accuracy, AUROC vs the OoD set, and more.
 
@@ -293,11 +301,7 @@ class EpochMetrics(keras.callbacks.Callback):
         row["train_accuracy"] = float(logs.get("accuracy", np.nan))
         if "batch_norm_gap" in logs:
             row["batch_norm_gap"] = float(logs["batch_norm_gap"])
-        # Keras's own logs (loss, DUQ's health metrics); NaN as null.
-        row["logs"] = {
-            key: None if np.isnan(float(value)) else float(value)
-            for key, value in logs.items()
-        }
+        row["logs"] = json_logs(logs)
         if self.recompute_on is not None:
             variables = self.model.non_trainable_variables
             saved = [keras.ops.convert_to_numpy(v) for v in variables]
