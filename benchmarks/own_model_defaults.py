@@ -185,6 +185,49 @@ def mlp_no_last_dropout_backbone():
     return keras.Sequential(_mlp_dropout_layers())
 
 
+def lenet_backbone():
+    """LeNet-5 as a Keras user writes it today: ReLU and max pooling,
+    features from its 84-unit dense layer."""
+    return keras.Sequential(
+        [
+            keras.Input((28, 28, 1)),
+            keras.layers.Conv2D(6, 5, padding="same", activation="relu"),
+            keras.layers.MaxPooling2D(),
+            keras.layers.Conv2D(16, 5, activation="relu"),
+            keras.layers.MaxPooling2D(),
+            keras.layers.Flatten(),
+            keras.layers.Dense(120, activation="relu"),
+            keras.layers.Dense(84, activation="relu"),
+        ]
+    )
+
+
+def vgg_small_backbone():
+    """Two VGG-style blocks (two 3x3 convolutions, then max pooling) and a
+    dense layer of 128 units."""
+    layers = [keras.Input((28, 28, 1))]
+    for filters in (32, 64):
+        layers += [
+            keras.layers.Conv2D(filters, 3, padding="same", activation="relu"),
+            keras.layers.Conv2D(filters, 3, padding="same", activation="relu"),
+            keras.layers.MaxPooling2D(),
+        ]
+    layers += [keras.layers.Flatten(), keras.layers.Dense(128, activation="relu")]
+    return keras.Sequential(layers)
+
+
+def mlp_batchnorm_backbone():
+    """Dense-BatchNormalization-ReLU twice (256 and 128 units)."""
+    layers = [keras.Input((28, 28, 1)), keras.layers.Flatten()]
+    for units in (256, 128):
+        layers += [
+            keras.layers.Dense(units, use_bias=False),
+            keras.layers.BatchNormalization(),
+            keras.layers.ReLU(),
+        ]
+    return keras.Sequential(layers)
+
+
 BACKBONES = {
     "quickstart": quickstart_backbone,
     "paper": paper_backbone,
@@ -196,6 +239,9 @@ BACKBONES = {
     "keras_io_no_dropout": keras_io_no_dropout_backbone,
     "mlp_dropout": mlp_dropout_backbone,
     "mlp_no_last_dropout": mlp_no_last_dropout_backbone,
+    "lenet": lenet_backbone,
+    "vgg_small": vgg_small_backbone,
+    "mlp_batchnorm": mlp_batchnorm_backbone,
 }
 
 
