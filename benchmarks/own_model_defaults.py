@@ -73,15 +73,18 @@ def paper_backbone():
     return keras.Sequential(layers)
 
 
+def _batch_norm_relu(layer):
+    """`layer`, BatchNormalization, ReLU (the normalisation's offset stands in
+    for `layer`'s bias, so build `layer` with `use_bias=False`)."""
+    return [layer, keras.layers.BatchNormalization(), keras.layers.ReLU()]
+
+
 def batchnorm_backbone():
     """A small residual-free CNN with BatchNormalization, pooled features."""
 
     def block(filters):
-        return [
-            keras.layers.Conv2D(filters, 3, padding="same", use_bias=False),
-            keras.layers.BatchNormalization(),
-            keras.layers.ReLU(),
-        ]
+        conv = keras.layers.Conv2D(filters, 3, padding="same", use_bias=False)
+        return _batch_norm_relu(conv)
 
     return keras.Sequential(
         [
@@ -100,19 +103,19 @@ def batchnorm_backbone():
 
 def batchnorm_small_backbone():
     """Conv-BatchNormalization-ReLU blocks and a dense layer, a cheaper BN CNN."""
-
-    def block(layer):
-        return [layer, keras.layers.BatchNormalization(), keras.layers.ReLU()]
-
     return keras.Sequential(
         [
             keras.Input((28, 28, 1)),
-            *block(keras.layers.Conv2D(32, 3, padding="same", use_bias=False)),
+            *_batch_norm_relu(
+                keras.layers.Conv2D(32, 3, padding="same", use_bias=False)
+            ),
             keras.layers.MaxPooling2D(),
-            *block(keras.layers.Conv2D(64, 3, padding="same", use_bias=False)),
+            *_batch_norm_relu(
+                keras.layers.Conv2D(64, 3, padding="same", use_bias=False)
+            ),
             keras.layers.MaxPooling2D(),
             keras.layers.Flatten(),
-            *block(keras.layers.Dense(128, use_bias=False)),
+            *_batch_norm_relu(keras.layers.Dense(128, use_bias=False)),
         ]
     )
 
@@ -220,11 +223,7 @@ def mlp_batchnorm_backbone():
     """Dense-BatchNormalization-ReLU twice (256 and 128 units)."""
     layers = [keras.Input((28, 28, 1)), keras.layers.Flatten()]
     for units in (256, 128):
-        layers += [
-            keras.layers.Dense(units, use_bias=False),
-            keras.layers.BatchNormalization(),
-            keras.layers.ReLU(),
-        ]
+        layers += _batch_norm_relu(keras.layers.Dense(units, use_bias=False))
     return keras.Sequential(layers)
 
 
