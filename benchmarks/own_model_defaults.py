@@ -227,6 +227,63 @@ def mlp_batchnorm_backbone():
     return keras.Sequential(layers)
 
 
+def resnet_small_backbone():
+    """A small residual network: a stem and two residual blocks (the second
+    halves the resolution through a strided 1x1 shortcut), pooled features."""
+
+    def conv_batch_norm(x, filters, strides=1):
+        conv = keras.layers.Conv2D(
+            filters, 3, strides=strides, padding="same", use_bias=False
+        )
+        return keras.layers.BatchNormalization()(conv(x))
+
+    def residual_block(x, filters, strides=1):
+        shortcut = x
+        if strides != 1 or x.shape[-1] != filters:
+            shortcut = keras.layers.Conv2D(filters, 1, strides=strides)(x)
+        y = keras.layers.ReLU()(conv_batch_norm(x, filters, strides))
+        y = conv_batch_norm(y, filters)
+        return keras.layers.ReLU()(keras.layers.Add()([shortcut, y]))
+
+    inputs = keras.Input((28, 28, 1))
+    x = keras.layers.ReLU()(conv_batch_norm(inputs, 32))
+    x = keras.layers.MaxPooling2D()(x)
+    x = residual_block(x, 32)
+    x = residual_block(x, 64, strides=2)
+    outputs = keras.layers.GlobalAveragePooling2D()(x)
+    return keras.Model(inputs, outputs)
+
+
+def separable_backbone():
+    """Depthwise-separable convolutions with BatchNormalization (MobileNet's
+    building block), pooled features."""
+    layers = [
+        keras.Input((28, 28, 1)),
+        *_batch_norm_relu(keras.layers.Conv2D(32, 3, padding="same", use_bias=False)),
+    ]
+    for filters in (64, 128):
+        layers += [
+            keras.layers.MaxPooling2D(),
+            *_batch_norm_relu(
+                keras.layers.SeparableConv2D(filters, 3, padding="same", use_bias=False)
+            ),
+        ]
+    layers.append(keras.layers.GlobalAveragePooling2D())
+    return keras.Sequential(layers)
+
+
+def mlp_layernorm_backbone():
+    """Dense-LayerNormalization-ReLU twice (256 and 128 units)."""
+    layers = [keras.Input((28, 28, 1)), keras.layers.Flatten()]
+    for units in (256, 128):
+        layers += [
+            keras.layers.Dense(units),
+            keras.layers.LayerNormalization(),
+            keras.layers.ReLU(),
+        ]
+    return keras.Sequential(layers)
+
+
 BACKBONES = {
     "quickstart": quickstart_backbone,
     "paper": paper_backbone,
@@ -241,6 +298,9 @@ BACKBONES = {
     "lenet": lenet_backbone,
     "vgg_small": vgg_small_backbone,
     "mlp_batchnorm": mlp_batchnorm_backbone,
+    "resnet_small": resnet_small_backbone,
+    "separable": separable_backbone,
+    "mlp_layernorm": mlp_layernorm_backbone,
 }
 
 

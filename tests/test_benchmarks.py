@@ -55,6 +55,18 @@ def test_a_missing_backend_is_skipped_with_the_reason():
     assert "torch skipped: not installed" in text
 
 
+def test_every_own_model_backbone_can_be_wrapped():
+    """Each backbone the own-model benchmark names maps FashionMNIST-shaped
+    images to `(batch, features)` that `keras_duq.wrap` accepts."""
+    import keras_duq
+    from benchmarks.own_model_defaults import BACKBONES
+
+    images = np.zeros((2, 28, 28, 1), "float32")
+    for name, build in BACKBONES.items():
+        kernel_values = keras_duq.wrap(build(), 10)(images)
+        assert tuple(kernel_values.shape) == (2, 10), name
+
+
 def test_own_model_summary_averages_each_setup_over_its_seeds(tmp_path):
     from benchmarks.own_model_defaults import summarize
 
