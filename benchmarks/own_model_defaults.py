@@ -317,6 +317,15 @@ def append_feature_layer(backbone, kind):
     return keras.Sequential([backbone, layer])
 
 
+def set_initial_centroids(model, stddev, seed):
+    """Redraws the DUQ head's initial centroids `m / N` from normal(0, stddev)
+    (the state is plain variables, set after building)."""
+    head = model.duq_output
+    counts = keras.ops.convert_to_numpy(head.centroid_counts)
+    draw = keras.random.normal(head.centroid_sums.shape, stddev=stddev, seed=seed)
+    head.centroid_sums.assign(counts * keras.ops.convert_to_numpy(draw))
+
+
 def make_optimizer(name, projection_learning_rate=1.0):
     """The optimizer; `projection_learning_rate` scales its rate for DUQ's `W`.
 
@@ -485,6 +494,10 @@ def _setup(record):
         words.append(f"+ {record['feature_layer']} on the features")
     if record.get("recompute_callback"):
         words.append("RecomputeBatchNormStatistics")
+    if record.get("initial_centroid_stddev") is not None:
+        words.append(
+            f"centroids start at normal(0, {record['initial_centroid_stddev']:g})"
+        )
     return words
 
 
@@ -566,6 +579,13 @@ def main(argv=None):
         help="Train with keras_duq.callbacks.RecomputeBatchNormStatistics on "
         "10,000 training images (statistics re-estimated after every epoch).",
     )
+    parser.add_argument(
+        "--initial-centroid-stddev",
+        type=float,
+        default=None,
+        help="DUQ head: draw the initial centroids from normal(0, STDDEV) "
+        "instead of keras_duq's normal(0, 1).",
+    )
     parser.add_argument("--label", default="")
     parser.add_argument("--output", default="own_model_defaults.jsonl")
     args = parser.parse_args(argv)
@@ -589,6 +609,8 @@ def main(argv=None):
     wrap_kwargs = json.loads(args.wrap_json)
     if args.head == "duq":
         model = keras_duq.wrap(backbone, 10, **wrap_kwargs)
+        if args.initial_centroid_stddev is not None:
+            set_initial_centroids(model, args.initial_centroid_stddev, args.seed)
         model.compile(
             optimizer=make_optimizer(args.optimizer, args.projection_learning_rate)
         )
@@ -631,6 +653,7 @@ def main(argv=None):
         "input_normalization": args.input_normalization,
         "recompute_batch_norm": args.recompute_batch_norm,
         "recompute_callback": args.recompute_callback,
+        "initial_centroid_stddev": args.initial_centroid_stddev,
         "optimizer": args.optimizer,
         "projection_learning_rate": args.projection_learning_rate,
         "head_projection_learning_rate": (

@@ -67,6 +67,25 @@ def test_every_own_model_backbone_can_be_wrapped():
         assert tuple(kernel_values.shape) == (2, 10), name
 
 
+def test_own_model_initial_centroids_are_redrawn_at_the_asked_spread():
+    import keras
+
+    import keras_duq
+    from benchmarks.own_model_defaults import BACKBONES
+    from benchmarks.own_model_defaults import set_initial_centroids
+
+    model = keras_duq.wrap(BACKBONES["mlp"](), 10)
+    counts = keras.ops.convert_to_numpy(model.duq_output.centroid_counts)
+    set_initial_centroids(model, 0.05, seed=0)
+    centroids = keras.ops.convert_to_numpy(model.duq_output.centroids)
+    # 128 x 10 draws: the sample spread is within a few percent of 0.05.
+    assert abs(centroids.std() - 0.05) < 0.005
+    # The counts, and so the weight of this prior, are unchanged.
+    np.testing.assert_array_equal(
+        keras.ops.convert_to_numpy(model.duq_output.centroid_counts), counts
+    )
+
+
 def test_own_model_summary_averages_each_setup_over_its_seeds(tmp_path):
     from benchmarks.own_model_defaults import summarize
 
