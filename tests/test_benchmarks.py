@@ -55,6 +55,7 @@ def test_a_missing_backend_is_skipped_with_the_reason():
     assert "torch skipped: not installed" in text
 
 
+@pytest.mark.requires_backend("tensorflow")
 def test_every_own_model_backbone_can_be_wrapped():
     """Each backbone the own-model benchmark names maps FashionMNIST-shaped
     images to `(batch, features)` that `keras_duq.wrap` accepts."""
