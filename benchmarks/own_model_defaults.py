@@ -594,6 +594,12 @@ def main(argv=None):
         return None
     if args.backbone is None:
         parser.error("--backbone is required (or --summarize to read results)")
+    stddev = args.initial_centroid_stddev
+    if stddev is not None and (args.head != "duq" or not stddev > 0):
+        parser.error(
+            "--initial-centroid-stddev takes a number > 0 and applies to "
+            f"--head duq only. Received: {stddev} with --head {args.head}"
+        )
 
     x_train, y_train, x_test, y_test, x_ood = load(
         args.mnist_path, args.train_subset, args.standardize
