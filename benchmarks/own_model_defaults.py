@@ -36,6 +36,7 @@ import numpy as np
 import keras_duq
 from keras_duq import datasets
 from keras_duq import evaluation
+from reproduction._harness import set_initial_centroids
 
 OLD_DEFAULTS = {
     "length_scale": 0.1,
@@ -315,15 +316,6 @@ def append_feature_layer(backbone, kind):
         "linear": lambda: keras.layers.Dense(width),
     }[kind]()
     return keras.Sequential([backbone, layer])
-
-
-def set_initial_centroids(model, stddev, seed):
-    """Redraws the DUQ head's initial centroids `m / N` from normal(0, stddev)
-    (the state is plain variables, set after building)."""
-    head = model.duq_output
-    counts = keras.ops.convert_to_numpy(head.centroid_counts)
-    draw = keras.random.normal(head.centroid_sums.shape, stddev=stddev, seed=seed)
-    head.centroid_sums.assign(counts * keras.ops.convert_to_numpy(draw))
 
 
 def make_optimizer(name, projection_learning_rate=1.0):
@@ -616,7 +608,7 @@ def main(argv=None):
     if args.head == "duq":
         model = keras_duq.wrap(backbone, 10, **wrap_kwargs)
         if args.initial_centroid_stddev is not None:
-            set_initial_centroids(model, args.initial_centroid_stddev, args.seed)
+            set_initial_centroids(model.duq_output, stddev, args.seed)
         model.compile(
             optimizer=make_optimizer(args.optimizer, args.projection_learning_rate)
         )

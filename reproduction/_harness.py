@@ -136,6 +136,16 @@ def pytorch_default_initializer() -> keras.initializers.Initializer:
     )
 
 
+def set_initial_centroids(head, stddev: float, seed) -> None:
+    """Redraws a built `DUQOutput`'s initial centroids `m / N` from
+    normal(0, stddev), keeping the counts `N` (keras_duq draws them from
+    normal(0, 1), the FashionMNIST code's choice; the state is plain
+    variables, so it is set after building)."""
+    counts = keras.ops.convert_to_numpy(head.centroid_counts)  # per class
+    draw = keras.random.normal(head.centroid_sums.shape, stddev=stddev, seed=seed)
+    head.centroid_sums.assign(counts * keras.ops.convert_to_numpy(draw))
+
+
 def pytorch_batch_normalization(regularizer=None, name=None):
     """BatchNormalization with PyTorch's momentum and epsilon, as the paper's
     code; `regularizer` on its scale and offset."""

@@ -482,17 +482,7 @@ def build_duq_model(args, steps_per_epoch: int, seed: int) -> keras_duq.DUQModel
             np.full((NUM_CLASSES,), args.initial_centroid_count, "float32")
         )
     if args.initial_centroid_stddev is not None:
-        # Centroids m / N ~ normal(0, stddev), where keras_duq draws them from
-        # normal(0, 1) (the FashionMNIST code's choice).
-        counts = keras.ops.convert_to_numpy(head.centroid_counts)  # per class
-        head.centroid_sums.assign(
-            counts
-            * keras.random.normal(
-                head.centroid_sums.shape,
-                stddev=args.initial_centroid_stddev,
-                seed=seed,
-            )
-        )
+        _harness.set_initial_centroids(head, args.initial_centroid_stddev, seed)
     model.compile(
         optimizer=make_optimizer(args, steps_per_epoch),
         jit_compile=jit_compile_argument(args),

@@ -73,11 +73,11 @@ def test_own_model_initial_centroids_are_redrawn_at_the_asked_spread():
 
     import keras_duq
     from benchmarks.own_model_defaults import BACKBONES
-    from benchmarks.own_model_defaults import set_initial_centroids
+    from reproduction._harness import set_initial_centroids
 
     model = keras_duq.wrap(BACKBONES["mlp"](), 10)
     counts = keras.ops.convert_to_numpy(model.duq_output.centroid_counts)
-    set_initial_centroids(model, 0.05, seed=0)
+    set_initial_centroids(model.duq_output, 0.05, seed=0)
     centroids = keras.ops.convert_to_numpy(model.duq_output.centroids)
     # 128 x 10 draws: the sample spread is within a few percent of 0.05.
     assert abs(centroids.std() - 0.05) < 0.005
