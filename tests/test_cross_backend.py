@@ -1,7 +1,8 @@
 """TensorFlow, JAX and PyTorch train the same model the same way, and share `.keras` files.
 
 Each backend runs in its own subprocess (a process has one backend); the
-tests run once, in the suite's TensorFlow run.
+tests run once, in the TensorFlow run of the tests marked slow (starting
+six processes takes most of a minute).
 """
 
 import json
@@ -12,7 +13,7 @@ from backend_subprocess import run
 
 BACKENDS = ("tensorflow", "jax", "torch")
 
-pytestmark = pytest.mark.requires_backend("tensorflow")
+pytestmark = [pytest.mark.requires_backend("tensorflow"), pytest.mark.slow]
 
 # Same initial weights (written by TensorFlow), same 3 batches, a CNN with
 # BatchNormalization, the penalty on and momentum SGD; then the trained

@@ -64,6 +64,7 @@ def test_duq_smoke_run_learns(tmp_path, mnist_dir, fashion_mnist_dir):
         assert (tmp_path / name).stat().st_size > 1000, name
 
 
+@pytest.mark.slow
 def test_backup_dir_resumes_from_the_last_finished_epoch(
     tmp_path, mnist_dir, fashion_mnist_dir
 ):
