@@ -285,6 +285,46 @@ def mlp_layernorm_backbone():
     return keras.Sequential(layers)
 
 
+class _PositionEmbedding(keras.layers.Layer):
+    """Adds a learned vector per token position."""
+
+    def build(self, input_shape):
+        self.positions = self.add_weight(
+            shape=tuple(input_shape[1:]), initializer="random_normal", name="positions"
+        )
+
+    def call(self, tokens):
+        return tokens + self.positions
+
+
+def attention_small_backbone():
+    """A small vision transformer: 4x4 patches as 49 tokens of 64 numbers,
+    two pre-normalised self-attention blocks, tokens averaged."""
+    inputs = keras.Input((28, 28, 1))
+    x = keras.layers.Conv2D(64, 4, strides=4)(inputs)
+    x = _PositionEmbedding()(keras.layers.Reshape((49, 64))(x))
+    for _ in range(2):
+        y = keras.layers.LayerNormalization()(x)
+        x = x + keras.layers.MultiHeadAttention(num_heads=4, key_dim=16)(y, y)
+        y = keras.layers.LayerNormalization()(x)
+        y = keras.layers.Dense(128, activation="gelu")(y)
+        x = x + keras.layers.Dense(64)(y)
+    x = keras.layers.LayerNormalization()(x)
+    return keras.Model(inputs, keras.layers.GlobalAveragePooling1D()(x))
+
+
+def mlp_wide_backbone():
+    """Two wide Dense-ReLU layers (1,024 and 512 units): 512 features."""
+    return keras.Sequential(
+        [
+            keras.Input((28, 28, 1)),
+            keras.layers.Flatten(),
+            keras.layers.Dense(1024, activation="relu"),
+            keras.layers.Dense(512, activation="relu"),
+        ]
+    )
+
+
 BACKBONES = {
     "quickstart": quickstart_backbone,
     "paper": paper_backbone,
@@ -302,6 +342,8 @@ BACKBONES = {
     "resnet_small": resnet_small_backbone,
     "separable": separable_backbone,
     "mlp_layernorm": mlp_layernorm_backbone,
+    "attention_small": attention_small_backbone,
+    "mlp_wide": mlp_wide_backbone,
 }
 
 
