@@ -121,16 +121,16 @@ def batchnorm_small_backbone():
     )
 
 
+def _dense_relu(*units):
+    """Flattened pixels, then a Dense-ReLU layer of each width."""
+    layers = [keras.Input((28, 28, 1)), keras.layers.Flatten()]
+    layers += [keras.layers.Dense(width, activation="relu") for width in units]
+    return keras.Sequential(layers)
+
+
 def mlp_backbone():
     """A plain MLP on flattened pixels."""
-    return keras.Sequential(
-        [
-            keras.Input((28, 28, 1)),
-            keras.layers.Flatten(),
-            keras.layers.Dense(256, activation="relu"),
-            keras.layers.Dense(128, activation="relu"),
-        ]
-    )
+    return _dense_relu(256, 128)
 
 
 def _keras_io_layers():
@@ -315,14 +315,7 @@ def attention_small_backbone():
 
 def mlp_wide_backbone():
     """Two wide Dense-ReLU layers (1,024 and 512 units): 512 features."""
-    return keras.Sequential(
-        [
-            keras.Input((28, 28, 1)),
-            keras.layers.Flatten(),
-            keras.layers.Dense(1024, activation="relu"),
-            keras.layers.Dense(512, activation="relu"),
-        ]
-    )
+    return _dense_relu(1024, 512)
 
 
 BACKBONES = {
