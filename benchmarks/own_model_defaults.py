@@ -642,7 +642,7 @@ def main(argv=None):
     wrap_kwargs = json.loads(args.wrap_json)
     if args.head == "duq":
         model = keras_duq.wrap(backbone, 10, **wrap_kwargs)
-        if args.initial_centroid_stddev is not None:
+        if stddev is not None:
             set_initial_centroids(model.duq_output, stddev, args.seed)
         model.compile(
             optimizer=make_optimizer(args.optimizer, args.projection_learning_rate)
