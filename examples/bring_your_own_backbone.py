@@ -145,10 +145,11 @@ print(f"threshold {threshold:.4f}: flags 5% of FashionMNIST and {flagged:.0%} of
 # The `.keras` file holds everything, centroids included; loading it needs
 # keras_duq installed. (For TensorFlow-only serving see examples/serving.py.)
 
-path = os.path.join(tempfile.mkdtemp(), "duq_mobilenet.keras")
-model.save(path)
-reloaded = keras.models.load_model(path)
+with tempfile.TemporaryDirectory() as folder:
+    path = os.path.join(folder, "duq_mobilenet.keras")
+    model.save(path)
+    reloaded = keras.models.load_model(path)
 same = np.allclose(
     reloaded.predict(x_test[:32], verbose=0), kernel_values[:32], atol=1e-5
 )
-print(f"saved to {path}; the reloaded model predicts the same: {same}")
+print(f"saved and reloaded; the reloaded model predicts the same: {same}")

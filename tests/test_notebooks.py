@@ -30,10 +30,16 @@ def test_there_are_notebooks_with_committed_outputs():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs_in_smoke_mode(path, monkeypatch, fashion_mnist_dir, mnist_dir):
+def test_notebook_runs_in_smoke_mode(
+    path, monkeypatch, tmp_path, fashion_mnist_dir, mnist_dir
+):
     import nbclient
     import nbformat
 
+    # The notebooks keep their files (images, the exported model) in a
+    # `tempfile.mkdtemp` folder for the reader to serve; here they land in
+    # pytest's temporary folder, which pytest prunes.
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setenv("KERAS_DUQ_SMOKE", "1")
     monkeypatch.setenv("KERAS_DUQ_DATA", str(mnist_dir.parent))
     monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "2")
