@@ -443,6 +443,10 @@ class EpochMetrics(keras.callbacks.Callback):
         if "batch_norm_gap" in logs:
             row["batch_norm_gap"] = float(logs["batch_norm_gap"])
         row["logs"] = json_logs(logs)
+        head = getattr(self.model, "duq_output", None)
+        if head is not None and head.trainable_length_scale:
+            scales = keras.ops.convert_to_numpy(head.length_scales)
+            row["length_scales"] = [round(float(s), 5) for s in scales]
         if self.recompute_on is not None:
             variables = self.model.non_trainable_variables
             saved = [keras.ops.convert_to_numpy(v) for v in variables]
