@@ -98,8 +98,9 @@ def wrap(
         bce_epsilon: float >= 0, floor of `K (1 - K)` in the cross-entropy
             gradient's denominator; `0` (default) is the exact gradient,
             `1e-12` that of the paper's PyTorch code (see `DUQModel`).
-        trainable_length_scale: bool, learn one length scale per class.
-            Defaults to `False`.
+        trainable_length_scale: bool, learn one length scale per class, at
+            the optimizer's full rate (see `DUQOutput`: with SGD at 0.05
+            they grew too fast). Defaults to `False`.
         bias_correction: bool, bias-correct the centroid moving average
             (see `DUQOutput`). Defaults to `False`.
         trainable_projection: bool, learn the per-class projections `W`
