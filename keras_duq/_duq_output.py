@@ -106,8 +106,8 @@ class DUQOutput(keras.layers.Layer):
             class by gradient descent. Defaults to `False`. The length
             scales learn at the optimizer's full rate: on FashionMNIST they
             rose from 0.1 to about 0.2 over 3 epochs of Adam (1e-3), but ran
-            to 6-15 within the first epoch of SGD (0.05, momentum 0.9),
-            which cost a quarter of the accuracy (docs/own_model.md).
+            to 3-16 within the first epoch of SGD (0.05, momentum 0.9),
+            which cost 0.12 to 0.22 of test accuracy (docs/own_model.md).
         trainable_projection: bool, whether `W` is learned (as in the
             paper) or stays at its random initial value, a fixed random
             projection of the features. Defaults to `True`.
