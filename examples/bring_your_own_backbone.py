@@ -102,7 +102,12 @@ model = keras_duq.wrap(
 )
 steps = epochs * int(np.ceil(num_train / 64))
 learning_rate = keras.optimizers.schedules.CosineDecay(0.05, decay_steps=steps)
-model.compile(optimizer=keras.optimizers.SGD(learning_rate, momentum=0.9))
+# A smoke run (four steps) runs eagerly: compiling MobileNetV2's double
+# backprop into a graph takes longer on a CPU than the steps themselves.
+model.compile(
+    optimizer=keras.optimizers.SGD(learning_rate, momentum=0.9),
+    run_eagerly=args.quick,
+)
 print(
     f"backbone {backbone.count_params():,} weights, "
     f"DUQ head {model.duq_output.count_params():,} weights"

@@ -42,7 +42,7 @@ parser.add_argument(
     "--quick",
     action="store_true",
     default=os.environ.get("KERAS_DUQ_SMOKE") == "1",
-    help="A smoke run: 1 epoch on 2,000 images (the numbers then mean little).",
+    help="A smoke run: 1 epoch on 1,024 images (the numbers then mean little).",
 )
 args = parser.parse_args()
 epochs = 1 if args.quick else args.epochs
@@ -58,8 +58,8 @@ keras.utils.set_random_seed(0)
 (x_train, y_train), (x_test, y_test) = datasets.load_fashion_mnist()
 x_ood, _ = datasets.load_mnist_test(args.mnist_path)
 if args.quick:
-    x_train, y_train = x_train[:2000], y_train[:2000]
-    x_test, y_test, x_ood = x_test[:1000], y_test[:1000], x_ood[:1000]
+    x_train, y_train = x_train[:1024], y_train[:1024]
+    x_test, y_test, x_ood = x_test[:512], y_test[:512], x_ood[:512]
 x_train, x_test, x_ood = (datasets.normalize(x) for x in (x_train, x_test, x_ood))
 print(f"train {x_train.shape}, test {x_test.shape}, OoD (MNIST) {x_ood.shape}")
 
