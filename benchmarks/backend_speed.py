@@ -71,6 +71,7 @@ def worker(batch_size, steps):
                 length_scale=LENGTH_SCALE,
                 gradient_penalty=PENALTY if kind == "duq_penalty" else 0.0,
                 projection_learning_rate=1.0,
+                categorical_cross_entropy_weight=0.0,
             )
             model.compile(optimizer=optimizer)
         return model

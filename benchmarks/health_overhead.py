@@ -52,6 +52,7 @@ def build(health_checks):
         gradient_penalty=0.05,
         health_checks=health_checks,
         projection_learning_rate=1.0,
+        categorical_cross_entropy_weight=0.0,
     )
     model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9))
     return model

@@ -84,7 +84,9 @@ def build(optimizer, epochs, head="duq", wrap_kwargs=None, feature_layer="none")
             metrics=["accuracy"],
         )
         return model
-    model = keras_duq.wrap(backbone, 10, **{"momentum": 0.99, **(wrap_kwargs or {})})
+    # The notebook's recipe, with the paper's loss (as the notebook has it).
+    recipe = {"momentum": 0.99, "categorical_cross_entropy_weight": 0.0}
+    model = keras_duq.wrap(backbone, 10, **{**recipe, **(wrap_kwargs or {})})
     model.compile(optimizer=optimizer)
     return model
 

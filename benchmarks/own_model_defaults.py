@@ -44,6 +44,7 @@ OLD_DEFAULTS = {
     "gradient_penalty": 0.1,
     "kernel_initializer": "he_normal",
     "bias_correction": False,
+    "categorical_cross_entropy_weight": 0.0,
 }
 
 
@@ -485,6 +486,11 @@ def summarize(path, at_epochs=(1, 3, 10)):
                 settings["projection_learning_rate"] = head_rate * record.get(
                     "projection_learning_rate", 1.0
                 )
+                # Records that do not name it were made when the default was 0.
+                settings["categorical_cross_entropy_weight"] = record.get(
+                    "categorical_cross_entropy_weight",
+                    settings.get("categorical_cross_entropy_weight", 0.0),
+                )
             settings = json.dumps(settings, sort_keys=True)
             head = ", ".join([record["head"], *_setup(record)])
             key = (record["backbone"], head, settings)
@@ -695,6 +701,9 @@ def main(argv=None):
         "projection_learning_rate": args.projection_learning_rate,
         "head_projection_learning_rate": (
             model.duq_output.projection_learning_rate if args.head == "duq" else None
+        ),
+        "categorical_cross_entropy_weight": (
+            model.categorical_cross_entropy_weight if args.head == "duq" else None
         ),
         "seed": args.seed,
         "train_subset": args.train_subset,

@@ -49,6 +49,7 @@ def build(spectral, coefficient):
         centroid_dims=256,
         gradient_penalty=0.05,
         projection_learning_rate=1.0,
+        categorical_cross_entropy_weight=0.0,
     )
     model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9))
     return model

@@ -91,6 +91,7 @@ def run_seed(seed, args):
         kernel_initializer=keras.initializers.RandomNormal(stddev=0.05),
         weight_decay=fashion_mnist.WEIGHT_DECAY,
         projection_learning_rate=1.0,
+        categorical_cross_entropy_weight=0.0,
     )
     search_seconds = time.perf_counter() - start
     print(result.summary())
@@ -187,9 +188,11 @@ def run_quickstart_seed(seed, args):
 
 def quickstart_wrap(args):
     """`wrap` arguments the quickstart recipe sets: none unless given."""
-    if args.projection_learning_rate is None:
-        return {}
-    return {"projection_learning_rate": args.projection_learning_rate}
+    given = {
+        "projection_learning_rate": args.projection_learning_rate,
+        "categorical_cross_entropy_weight": args.categorical_cross_entropy_weight,
+    }
+    return {name: value for name, value in given.items() if value is not None}
 
 
 def summarize(paths, at_epochs=(1, 3, 10)):
@@ -281,6 +284,13 @@ def main(argv=None):
         default=None,
         help="`--recipe quickstart`: `wrap`'s projection_learning_rate "
         "(default: the library's).",
+    )
+    parser.add_argument(
+        "--categorical-cross-entropy-weight",
+        type=float,
+        default=None,
+        help="`--recipe quickstart`: `wrap`'s categorical_cross_entropy_weight "
+        "(default: the library's; 0 is the paper's loss).",
     )
     parser.add_argument("--train-subset", type=int, default=None)
     parser.add_argument("--test-subset", type=int, default=None)

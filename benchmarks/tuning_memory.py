@@ -71,6 +71,7 @@ def measure(case):
                 length_scale=0.3,
                 gradient_penalty=0.1,
                 projection_learning_rate=1.0,
+                categorical_cross_entropy_weight=0.0,
             )
             model.compile(optimizer="adam")
         model.fit(x, y, epochs=2, batch_size=64, verbose=0)

@@ -46,6 +46,7 @@ def demo_wrap():
         kernel_initializer=keras.initializers.RandomNormal(stddev=1.0),
         weight_decay=1e-4,
         projection_learning_rate=1.0,
+        categorical_cross_entropy_weight=0.0,
     )
 
 

@@ -98,7 +98,12 @@ for layer in backbone.layers:
 # a short training (0.999, the default, averages over ~1000 steps).
 
 model = keras_duq.wrap(
-    backbone, num_classes=10, length_scale=0.1, momentum=0.99, gradient_penalty=0.1
+    backbone,
+    num_classes=10,
+    length_scale=0.1,
+    momentum=0.99,
+    gradient_penalty=0.1,
+    categorical_cross_entropy_weight=0.0,  # the loss this recipe is measured with
 )
 steps = epochs * int(np.ceil(num_train / 64))
 learning_rate = keras.optimizers.schedules.CosineDecay(0.05, decay_steps=steps)

@@ -152,6 +152,7 @@ model = keras_duq.wrap(
     momentum=0.999,
     gradient_penalty=0.5,
     projection_learning_rate=1.0,  # W learns at the optimizer's rate, as in the paper
+    categorical_cross_entropy_weight=0.0,  # the paper's loss
 )
 steps = epochs * int(train.cardinality())
 schedule = keras.optimizers.schedules.PiecewiseConstantDecay(

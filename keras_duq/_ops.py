@@ -34,6 +34,11 @@ BIAS_CORRECTED_CENTROID_COUNT = 1e-6
 # `d / (2 length_scale^2) < 1e-7`, where the true value is below log(1e-7).
 _LOG_KERNEL_CEILING = -1e-7
 
+# Added to squared distances (in length scales) under a square root: its
+# gradient is then at most 1 / (2 sqrt(1e-6)) = 500 where a feature vector
+# sits on a centroid.
+_DISTANCE_FLOOR = 1e-6
+
 
 def squared_distances(embeddings: Tensor, centroids: Tensor) -> Tensor:
     """Mean squared distance between class embeddings and centroids.
@@ -116,6 +121,33 @@ def binary_cross_entropy(
     return -ops.mean(per_class, axis=-1)
 
 
+def categorical_cross_entropy(log_kernel: Tensor, labels_one_hot: Tensor) -> Tensor:
+    """Per-example categorical cross-entropy over the classes' distances.
+
+    `-sum_c y_c log softmax(-r)_c` with `r_c = sqrt(d_c) / length_scale =
+    sqrt(-2 log K_c)`, the distance to each centroid in length scales. The
+    binary cross-entropy pushes a feature vector away from a wrong centroid
+    only while that kernel value is far from zero, so a misclassified
+    example whose kernel values are all small is only pulled towards its own
+    centroid; this term also pushes it away from the centroid it is nearest
+    to, and vanishes once the example is classified with a margin. The
+    distance, not its square (`-log K`), keeps that push bounded: with the
+    squared distance it grows with the distance itself, and SGD with
+    momentum diverged on it.
+
+    Args:
+        log_kernel: `(batch, num_classes)` from `log_kernel_values`.
+        labels_one_hot: `(batch, num_classes)` one-hot labels (float32).
+
+    Returns:
+        `(batch,)` loss per example.
+    """
+    # The floor keeps the square root's gradient finite on a centroid.
+    distances = ops.sqrt(ops.maximum(-2.0 * log_kernel, 0.0) + _DISTANCE_FLOOR)
+    logits = -distances
+    return -ops.sum(labels_one_hot * ops.log_softmax(logits, axis=-1), axis=-1)
+
+
 def duq_loss(
     log_kernel: Tensor,
     labels_one_hot: Tensor,
@@ -123,11 +155,17 @@ def duq_loss(
     penalty_weight: float | Tensor = 0.0,
     sample_weight: Tensor | None = None,
     bce_epsilon: float = 0.0,
+    categorical_cross_entropy_weight: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
-    """The batch loss: mean of `bce + penalty_weight * penalty`, and its BCE part.
+    """The batch loss and its BCE part.
 
-    Keras's `"sum_over_batch_size"` reduction: weighted per-example losses
-    are summed and divided by the number of examples.
+    Per example: `bce + categorical_cross_entropy_weight * cce / num_classes
+    + penalty_weight * penalty`, `bce` averaged over classes and `cce` from
+    `categorical_cross_entropy`. Dividing `cce` by the number of classes, as
+    the BCE summed over classes is, weighs it against that sum, whatever the
+    number of classes. Keras's
+    `"sum_over_batch_size"` reduction: weighted per-example losses are
+    summed and divided by the number of examples.
 
     Args:
         log_kernel: `(batch, num_classes)` from `log_kernel_values`.
@@ -136,14 +174,21 @@ def duq_loss(
         penalty_weight: float, the penalty's weight `lambda`.
         sample_weight: `(batch,)` float32 or `None`.
         bce_epsilon: see `binary_cross_entropy`.
+        categorical_cross_entropy_weight: float >= 0, the weight of
+            `categorical_cross_entropy`.
 
     Returns:
         `(loss, bce)`: scalar float32 tensors.
     """
     bce = binary_cross_entropy(log_kernel, labels_one_hot, bce_epsilon)
     per_example = bce
+    if categorical_cross_entropy_weight > 0:
+        num_classes = ops.shape(log_kernel)[-1]
+        per_example = per_example + (categorical_cross_entropy_weight / num_classes) * (
+            categorical_cross_entropy(log_kernel, labels_one_hot)
+        )
     if penalty is not None:
-        per_example = bce + penalty_weight * penalty
+        per_example = per_example + penalty_weight * penalty
     if sample_weight is not None:
         per_example = per_example * sample_weight
         bce = bce * sample_weight

@@ -68,6 +68,7 @@ class ObjectiveSettings:
     penalty_weight: float
     weight_decay: float
     bce_epsilon: float
+    categorical_cross_entropy_weight: float = 0.0
     # The penalty is taken with respect to the output of the layer the
     # model's `penalty_input` names, instead of the float inputs.
     penalty_input: bool = False
@@ -204,6 +205,7 @@ def objective(
         settings.penalty_weight,
         sample_weight,
         settings.bce_epsilon,
+        settings.categorical_cross_entropy_weight,
     )
     total = loss + _ops.coupled_weight_decay_loss(
         weights, settings.weight_decay, settings.rates
@@ -318,6 +320,7 @@ class Trainer:
             penalty_weight=weight,
             weight_decay=self.weight_decay,
             bce_epsilon=self.bce_epsilon,
+            categorical_cross_entropy_weight=self.categorical_cross_entropy_weight,
             penalty_input=self.penalty_input is not None,
             rates=self._weight_rates(),
         )

@@ -7,6 +7,7 @@ from typing import Any
 
 import keras
 
+from keras_duq._duq_model import DEFAULT_CATEGORICAL_CROSS_ENTROPY_WEIGHT
 from keras_duq._duq_model import DEFAULT_GRADIENT_PENALTY
 from keras_duq._duq_model import DEFAULT_WEIGHT_DECAY
 from keras_duq._duq_model import DUQModel
@@ -30,6 +31,7 @@ def wrap(
     penalty_interval: int = 1,
     weight_decay: float = DEFAULT_WEIGHT_DECAY,
     bce_epsilon: float = 0.0,
+    categorical_cross_entropy_weight: float = DEFAULT_CATEGORICAL_CROSS_ENTROPY_WEIGHT,
     trainable_length_scale: bool = False,
     bias_correction: bool = False,
     trainable_projection: bool = True,
@@ -98,6 +100,10 @@ def wrap(
         bce_epsilon: float >= 0, floor of `K (1 - K)` in the cross-entropy
             gradient's denominator; `0` (default) is the exact gradient,
             `1e-12` that of the paper's PyTorch code (see `DUQModel`).
+        categorical_cross_entropy_weight: float >= 0, weight of a
+            categorical cross-entropy over the classes' distances added to
+            the paper's loss (see `DUQModel`); `0` is the paper's loss.
+            Defaults to `3.0`.
         trainable_length_scale: bool, learn one length scale per class, at
             the optimizer's full rate (see `DUQOutput`: with SGD at 0.05
             they grew too fast). Defaults to `False`.
@@ -165,6 +171,7 @@ def wrap(
         penalty_interval=penalty_interval,
         weight_decay=weight_decay,
         bce_epsilon=bce_epsilon,
+        categorical_cross_entropy_weight=categorical_cross_entropy_weight,
         health_checks=health_checks,
         penalty_input=penalty_input,
         name=name,

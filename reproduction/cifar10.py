@@ -472,6 +472,7 @@ def build_duq_model(args, steps_per_epoch: int, seed: int) -> keras_duq.DUQModel
         bce_epsilon=args.bce_epsilon,
         bias_correction=args.bias_correction,
         projection_learning_rate=1.0,
+        categorical_cross_entropy_weight=0.0,
     )
     head = model.duq_output
     if args.initial_centroid_count:

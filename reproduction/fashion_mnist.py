@@ -247,6 +247,7 @@ def build_duq_model(args, steps_per_epoch: int) -> keras_duq.DUQModel:
         bce_epsilon=args.bce_epsilon,
         bias_correction=args.bias_correction,
         projection_learning_rate=1.0,
+        categorical_cross_entropy_weight=0.0,
     )
     model.compile(
         optimizer=make_optimizer(steps_per_epoch, args.epochs),

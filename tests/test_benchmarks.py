@@ -88,6 +88,14 @@ def test_own_model_initial_centroids_are_redrawn_at_the_asked_spread():
     )
 
 
+def _settings(rate, weight=0.0):
+    """The settings cell of a DUQ row of the own-model summary."""
+    return (
+        f'{{"categorical_cross_entropy_weight": {weight}, '
+        f'"projection_learning_rate": {rate}}}'
+    )
+
+
 def test_own_model_summary_averages_each_setup_over_its_seeds(tmp_path):
     from benchmarks.own_model_defaults import summarize
 
@@ -112,7 +120,7 @@ def test_own_model_summary_averages_each_setup_over_its_seeds(tmp_path):
     assert len(rows) == 4  # header, rule, one row per setup
     # Seeds in order, mean accuracy, AUROC per seed and its mean, per epoch.
     assert rows[2] == (
-        '| mlp | duq | {"projection_learning_rate": 1.0} | 0, 1 | 0.550 | 0.600, 0.800 |'
+        f"| mlp | duq | {_settings(1.0)} | 0, 1 | 0.550 | 0.600, 0.800 |"
         " 0.700 |"
         " 0.550 | 0.700, 0.900 | 0.800 |"
     )
@@ -146,9 +154,41 @@ def test_own_model_summary_groups_runs_by_the_rate_at_which_w_learned(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     rows = summarize(path, at_epochs=(1,)).splitlines()
     assert rows[2:] == [
-        '| mlp | duq | {"projection_learning_rate": 0.1} | 0, 1 | 0.500 | 0.600, 0.700 |'
-        " 0.650 |",
-        '| mlp | duq | {"projection_learning_rate": 1.0} | 2 | 0.500 | 0.800 | 0.800 |',
+        f"| mlp | duq | {_settings(0.1)} | 0, 1 | 0.500 | 0.600, 0.700 | 0.650 |",
+        f"| mlp | duq | {_settings(1.0)} | 2 | 0.500 | 0.800 | 0.800 |",
+    ]
+
+
+def test_own_model_summary_groups_runs_by_the_categorical_weight(tmp_path):
+    from benchmarks.own_model_defaults import summarize
+
+    def record(seed, **weight):
+        epochs = [{"epoch": 1, "accuracy": 0.5, "auroc": 0.6 + 0.1 * seed}]
+        return dict(
+            backbone="mlp",
+            head="duq",
+            wrap_kwargs={},
+            seed=seed,
+            epochs=epochs,
+            head_projection_learning_rate=0.1,
+            **weight,
+        )
+
+    # A record that does not name the weight was made when the default was 0.
+    records = [
+        record(0),
+        record(1, categorical_cross_entropy_weight=0.0),
+        record(2, categorical_cross_entropy_weight=3.0),
+    ]
+    path = tmp_path / "runs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    rows = summarize(path, at_epochs=(1,)).splitlines()
+    settings = (
+        '{{"categorical_cross_entropy_weight": {}, "projection_learning_rate": 0.1}}'
+    )
+    assert rows[2:] == [
+        f"| mlp | duq | {settings.format(0.0)} | 0, 1 | 0.500 | 0.600, 0.700 | 0.650 |",
+        f"| mlp | duq | {settings.format(3.0)} | 2 | 0.500 | 0.800 | 0.800 |",
     ]
 
 
@@ -176,9 +216,8 @@ def test_own_model_summary_gives_re_estimated_statistics_a_row_of_their_own(tmp_
     path.write_text(json.dumps(record) + "\n")
     rows = summarize(path, at_epochs=(1,)).splitlines()
     assert rows[2:] == [
-        '| batchnorm | duq | {"projection_learning_rate": 1.0} | 0 | 0.600 | 0.700 |'
-        " 0.700 |",
-        '| batchnorm | duq, BN re-estimated | {"projection_learning_rate": 1.0} | 0 |'
+        f"| batchnorm | duq | {_settings(1.0)} | 0 | 0.600 | 0.700 | 0.700 |",
+        f"| batchnorm | duq, BN re-estimated | {_settings(1.0)} | 0 |"
         " 0.900 | 0.800 | 0.800 |",
     ]
 

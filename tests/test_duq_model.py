@@ -80,7 +80,7 @@ def _decayed_weights(model):
 
 
 def _reference_loss(model, x, y, sample_weight=None):
-    """BCE + lambda * penalty + weight decay, from plain TF ops."""
+    """BCE + categorical term + lambda * penalty + weight decay, from plain TF ops."""
     x = tf.constant(x)
     head = model.duq_output
     with tf.GradientTape() as tape:
@@ -99,7 +99,18 @@ def _reference_loss(model, x, y, sample_weight=None):
     k = tf.cast(kernel_values, tf.float64).numpy()
     one_hot = np.eye(head.num_classes)[y]
     bce = -np.mean(one_hot * np.log(k) + (1 - one_hot) * np.log(1 - k), axis=1)
-    per_example = bce + model.gradient_penalty * (norm.numpy() - 1) ** 2
+    # Cross-entropy over minus the distances in length scales, sqrt(-2 log K)
+    # (a floor of 1e-6 under the root), weighed against the BCE summed over
+    # classes.
+    logits = -np.sqrt(-2.0 * np.log(k) + 1e-6)
+    logits -= logits.max(axis=1, keepdims=True)
+    log_softmax = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+    cce = -np.sum(one_hot * log_softmax, axis=1)
+    per_example = (
+        bce
+        + model.categorical_cross_entropy_weight * cce / head.num_classes
+        + model.gradient_penalty * (norm.numpy() - 1) ** 2
+    )
     if sample_weight is not None:
         per_example = per_example * sample_weight
     decay = (
@@ -204,7 +215,12 @@ def test_bce_epsilon_stops_the_pull_of_far_centroids():
     x, y = _data()
 
     def weight_change(bce_epsilon):
-        model = _model(gradient_penalty=0.0, weight_decay=0.0, bce_epsilon=bce_epsilon)
+        model = _model(
+            gradient_penalty=0.0,
+            weight_decay=0.0,
+            bce_epsilon=bce_epsilon,
+            categorical_cross_entropy_weight=0.0,  # the paper's loss alone
+        )
         model.duq_output.length_scales.assign(np.full(3, 0.01, "float32"))
         model.compile(optimizer=keras.optimizers.SGD(0.05))
         assert model.predict_on_batch(x).max() < 1e-12
@@ -487,7 +503,9 @@ def test_dict_inputs_and_uint8_images():
     model.compile(optimizer=keras.optimizers.SGD(0.01))
     rng = np.random.default_rng(0)
     data = {
-        "image": rng.integers(0, 255, size=(32, 6, 6, 1)).astype("uint8"),
+        # Small integers: raw 0-255 pixels make training stop on a non-finite
+        # step (test_unnormalised_inputs_stop_training_with_finite_state).
+        "image": rng.integers(0, 4, size=(32, 6, 6, 1)).astype("uint8"),
         "extra": rng.normal(size=(32, 3)).astype("float32"),
     }
     y = rng.integers(0, 2, size=32)
@@ -557,6 +575,11 @@ def test_keras_save_and_load_round_trip(tmp_path):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
     # Compared as JSON, the form they are saved in (tuples become lists).
     assert json.dumps(restored.get_config()) == json.dumps(model.get_config())
+    # A file saved before the categorical term existed trained without it.
+    config = model.get_config()
+    del config["categorical_cross_entropy_weight"]
+    old = keras_duq.DUQModel.from_config(config)
+    assert old.categorical_cross_entropy_weight == 0.0
     # Training continues exactly like the original (same optimizer state).
     model.fit(x, y, epochs=1, batch_size=16, shuffle=False, verbose=0)
     restored.fit(x, y, epochs=1, batch_size=16, shuffle=False, verbose=0)
@@ -1004,6 +1027,10 @@ def test_xla_step_matches_graph_step():
         ({"gradient_penalty": -1.0}, "gradient_penalty"),
         ({"weight_decay": -1e-4}, "weight_decay"),
         ({"bce_epsilon": -1e-12}, "bce_epsilon"),
+        (
+            {"categorical_cross_entropy_weight": -1.0},
+            "categorical_cross_entropy_weight",
+        ),
         ({"penalty": "both"}, "two_sided"),
         ({"penalty_interval": 0}, "penalty_interval"),
         ({"penalty_interval": 2.0}, "penalty_interval"),

@@ -50,9 +50,14 @@ def _model(
 
 
 # A length scale far below the spread of the embeddings: every kernel value
-# underflows; with the paper's floor on the cross-entropy's gradient they get
-# no gradient, so they stay so.
-UNDERFLOWING = {"length_scale": 1e-4, "bce_epsilon": 1e-12, "gradient_penalty": 0.0}
+# underflows; with the paper's loss and its floor on the cross-entropy's
+# gradient they get no gradient, so they stay so.
+UNDERFLOWING = {
+    "length_scale": 1e-4,
+    "bce_epsilon": 1e-12,
+    "categorical_cross_entropy_weight": 0.0,
+    "gradient_penalty": 0.0,
+}
 
 
 def _health_warnings(record):

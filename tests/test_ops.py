@@ -114,6 +114,80 @@ def test_binary_cross_entropy_is_finite_at_zero_distance():
     assert np.isfinite(keras.ops.convert_to_numpy(loss)).all()
 
 
+def test_categorical_cross_entropy_is_over_distances_in_length_scales():
+    rng = _rng()
+    log_kernel = -rng.uniform(0.01, 500.0, size=(6, 4)).astype("float32")
+    labels = np.eye(4, dtype="float32")[rng.integers(0, 4, size=6)]
+    # log K = -d / (2 sigma^2): the distance in length scales is sqrt(-2 log K)
+    # (plus a floor of 1e-6 under the root).
+    logits = -np.sqrt(-2.0 * log_kernel.astype("float64") + 1e-6)
+    log_softmax = logits - logits.max(-1, keepdims=True)
+    log_softmax -= np.log(np.exp(log_softmax).sum(-1, keepdims=True))
+    expected = -np.sum(labels * log_softmax, axis=-1)
+    got = _ops.categorical_cross_entropy(
+        keras.ops.convert_to_tensor(log_kernel), keras.ops.convert_to_tensor(labels)
+    )
+    np.testing.assert_allclose(
+        keras.ops.convert_to_numpy(got), expected, rtol=1e-5, atol=1e-6
+    )
+
+
+def test_duq_loss_weighs_the_categorical_term_against_the_summed_bce():
+    rng = _rng()
+    log_kernel = keras.ops.convert_to_tensor(
+        -rng.uniform(0.01, 5.0, size=(6, 4)).astype("float32")
+    )
+    labels = keras.ops.convert_to_tensor(
+        np.eye(4, dtype="float32")[rng.integers(0, 4, size=6)]
+    )
+    penalty = keras.ops.convert_to_tensor(rng.uniform(size=6).astype("float32"))
+    bce = keras.ops.convert_to_numpy(_ops.binary_cross_entropy(log_kernel, labels))
+    cce = keras.ops.convert_to_numpy(_ops.categorical_cross_entropy(log_kernel, labels))
+    loss, bce_part = _ops.duq_loss(
+        log_kernel, labels, penalty, 0.5, categorical_cross_entropy_weight=3.0
+    )
+    expected = np.mean(
+        (4 * bce + 3.0 * cce) / 4 + 0.5 * keras.ops.convert_to_numpy(penalty)
+    )
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(loss), expected, rtol=1e-5)
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(bce_part), np.mean(bce))
+
+
+@pytest.mark.requires_backend("tensorflow")  # gradients by tf.GradientTape
+def test_categorical_term_pushes_from_the_nearest_wrong_centroid_with_bounded_force():
+    # A misclassified example far from every centroid: class 1 is nearest,
+    # the label is class 0. The binary cross-entropy's push from class 1 is
+    # about K_1 = exp(-d_1 / 2) <= exp(-50); the categorical term pushes with
+    # a force that does not grow with the distance.
+    labels = tf.constant([[1.0, 0.0, 0.0]])
+
+    def feature_gradient(weight, scale):
+        # Distances along one feature axis: d_c = (x - e_c)^2, length scale 1.
+        x = tf.Variable(0.0)
+        centroids = scale * tf.constant([-2.0, 1.0, 3.0])
+        with tf.GradientTape() as tape:
+            distances = tf.square(x - centroids)[None]
+            loss, _ = _ops.duq_loss(
+                _ops.log_kernel_values(distances, 1.0),
+                labels,
+                categorical_cross_entropy_weight=weight,
+            )
+        return tape.gradient(loss, x).numpy()
+
+    # Without the term, class 0's pull (towards -2 scale, a positive
+    # gradient of size (x + 2 scale) / 3) grows with the distance; the push
+    # from class 1 (at +scale, nearest) is negligible.
+    for scale in (10.0, 100.0):
+        bce_only = feature_gradient(0.0, scale)
+        np.testing.assert_allclose(bce_only, 2 * scale / 3, rtol=1e-5)
+        # The term adds 3 / 3 times d/dx (r_0 - r_1) = 1 + 1 (r_c = |x - e_c|,
+        # p_1 ~ 1): a pull towards class 0 and a push away from class 1 of
+        # size 1 each, at either scale.
+        np.testing.assert_allclose(
+            feature_gradient(3.0, scale) - bce_only, 2.0, rtol=1e-4
+        )
+
+
 def test_gradient_norms_flatten_all_inputs_per_example():
     rng = _rng()
     first = rng.normal(size=(3, 2, 2)).astype("float32")

@@ -68,6 +68,7 @@ TASKS = {
             length_scale=0.1,
             gradient_penalty=0.05,
             projection_learning_rate=1.0,
+            categorical_cross_entropy_weight=0.0,
         ),
     ),
     "two_moons_mlp": dict(
@@ -80,6 +81,7 @@ TASKS = {
             length_scale=0.3,
             gradient_penalty=1.0,
             projection_learning_rate=1.0,
+            categorical_cross_entropy_weight=0.0,
         ),
     ),
 }

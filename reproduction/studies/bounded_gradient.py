@@ -61,6 +61,7 @@ def distant(scales=(1.0, 10.0, 100.0, 1000.0), epochs=5):
                     gradient_penalty=gradient_penalty,
                     bce_epsilon=bce_epsilon,
                     projection_learning_rate=1.0,
+                    categorical_cross_entropy_weight=0.0,
                 )
                 model.compile(optimizer=keras.optimizers.SGD(0.01))
                 outcome, accuracy = "finished", None

@@ -53,7 +53,12 @@ def run(head, seed, data, epochs):
     (x_train, y_train), (x_val, y_val), (x_test, y_test), x_ood = data
     keras.utils.set_random_seed(seed)
     if head == "duq":
-        model = keras_duq.wrap(backbone(), num_classes=10, projection_learning_rate=1.0)
+        model = keras_duq.wrap(
+            backbone(),
+            num_classes=10,
+            projection_learning_rate=1.0,
+            categorical_cross_entropy_weight=0.0,
+        )
         model.compile(optimizer="adam")
     else:
         model = keras.Sequential(

@@ -134,6 +134,7 @@ def mobilenet(seeds, epochs=5, steps=16, batch_size=32):
                 gradient_penalty=0.0,
                 bias_correction=bias_correction,
                 projection_learning_rate=1.0,
+                categorical_cross_entropy_weight=0.0,
             )
             model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9))
             history = model.fit(

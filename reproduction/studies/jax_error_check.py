@@ -55,6 +55,7 @@ def main():
         length_scale=0.3,
         gradient_penalty=1.0,
         projection_learning_rate=1.0,
+        categorical_cross_entropy_weight=0.0,
     )
     model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9))
     rng = np.random.default_rng(0)

@@ -94,6 +94,7 @@ def build(kind, make_backbone, health_checks=False):
             gradient_penalty=0.5 if kind == "duq_penalty" else 0.0,
             health_checks=health_checks,
             projection_learning_rate=1.0,
+            categorical_cross_entropy_weight=0.0,
         )
         model.compile(optimizer=optimizer)
     return model, shape

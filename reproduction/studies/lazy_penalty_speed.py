@@ -38,6 +38,7 @@ def build(gradient_penalty, penalty_interval):
         gradient_penalty=gradient_penalty,
         penalty_interval=penalty_interval,
         projection_learning_rate=1.0,
+        categorical_cross_entropy_weight=0.0,
     )
     model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9))
     return model

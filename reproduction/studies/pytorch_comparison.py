@@ -59,6 +59,7 @@ def keras_worker():
         gradient_penalty=PENALTY,
         weight_decay=WEIGHT_DECAY,
         projection_learning_rate=1.0,
+        categorical_cross_entropy_weight=0.0,
     )
     model.compile(optimizer=keras.optimizers.SGD(LR, momentum=0.9))
 
