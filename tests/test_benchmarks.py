@@ -128,27 +128,24 @@ def test_own_model_summary_averages_each_setup_over_its_seeds(tmp_path):
     assert rows[3] == "| mlp | softmax |  | 0 | 0.500 | 0.500 | 0.500 | | | |"
 
 
+def _duq_record(seed, **fields):
+    """An own-model record of one epoch of `mlp` with DUQ's head."""
+    epochs = [{"epoch": 1, "accuracy": 0.5, "auroc": 0.6 + 0.1 * seed}]
+    return dict(
+        backbone="mlp", head="duq", wrap_kwargs={}, seed=seed, epochs=epochs, **fields
+    )
+
+
 def test_own_model_summary_groups_runs_by_the_rate_at_which_w_learned(tmp_path):
     from benchmarks.own_model_defaults import summarize
-
-    def record(seed, **rates):
-        epochs = [{"epoch": 1, "accuracy": 0.5, "auroc": 0.6 + 0.1 * seed}]
-        return dict(
-            backbone="mlp",
-            head="duq",
-            wrap_kwargs={},
-            seed=seed,
-            epochs=epochs,
-            **rates,
-        )
 
     # The layer at 0.1; the layer at 1.0 with the optimizer's step for W
     # scaled by 0.1 (a record that does not name the layer's rate); and the
     # layer at 1.0.
     records = [
-        record(0, head_projection_learning_rate=0.1, projection_learning_rate=1.0),
-        record(1, projection_learning_rate=0.1),
-        record(2, head_projection_learning_rate=1.0, projection_learning_rate=1.0),
+        _duq_record(0, head_projection_learning_rate=0.1, projection_learning_rate=1.0),
+        _duq_record(1, projection_learning_rate=0.1),
+        _duq_record(2, head_projection_learning_rate=1.0, projection_learning_rate=1.0),
     ]
     path = tmp_path / "runs.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -162,23 +159,15 @@ def test_own_model_summary_groups_runs_by_the_rate_at_which_w_learned(tmp_path):
 def test_own_model_summary_groups_runs_by_the_categorical_weight(tmp_path):
     from benchmarks.own_model_defaults import summarize
 
-    def record(seed, **weight):
-        epochs = [{"epoch": 1, "accuracy": 0.5, "auroc": 0.6 + 0.1 * seed}]
-        return dict(
-            backbone="mlp",
-            head="duq",
-            wrap_kwargs={},
-            seed=seed,
-            epochs=epochs,
-            head_projection_learning_rate=0.1,
-            **weight,
-        )
-
     # A record that does not name the weight was made when the default was 0.
     records = [
-        record(0),
-        record(1, categorical_cross_entropy_weight=0.0),
-        record(2, categorical_cross_entropy_weight=3.0),
+        _duq_record(0, head_projection_learning_rate=0.1),
+        _duq_record(
+            1, head_projection_learning_rate=0.1, categorical_cross_entropy_weight=0.0
+        ),
+        _duq_record(
+            2, head_projection_learning_rate=0.1, categorical_cross_entropy_weight=3.0
+        ),
     ]
     path = tmp_path / "runs.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
