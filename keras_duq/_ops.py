@@ -163,9 +163,8 @@ def duq_loss(
     + penalty_weight * penalty`, `bce` averaged over classes and `cce` from
     `categorical_cross_entropy`. Dividing `cce` by the number of classes, as
     the BCE summed over classes is, weighs it against that sum, whatever the
-    number of classes. Keras's
-    `"sum_over_batch_size"` reduction: weighted per-example losses are
-    summed and divided by the number of examples.
+    number of classes. Keras's `"sum_over_batch_size"` reduction: weighted
+    per-example losses are summed and divided by the number of examples.
 
     Args:
         log_kernel: `(batch, num_classes)` from `log_kernel_values`.
