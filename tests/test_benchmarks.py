@@ -172,12 +172,9 @@ def test_own_model_summary_groups_runs_by_the_categorical_weight(tmp_path):
     path = tmp_path / "runs.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     rows = summarize(path, at_epochs=(1,)).splitlines()
-    settings = (
-        '{{"categorical_cross_entropy_weight": {}, "projection_learning_rate": 0.1}}'
-    )
     assert rows[2:] == [
-        f"| mlp | duq | {settings.format(0.0)} | 0, 1 | 0.500 | 0.600, 0.700 | 0.650 |",
-        f"| mlp | duq | {settings.format(3.0)} | 2 | 0.500 | 0.800 | 0.800 |",
+        f"| mlp | duq | {_settings(0.1)} | 0, 1 | 0.500 | 0.600, 0.700 | 0.650 |",
+        f"| mlp | duq | {_settings(0.1, 3.0)} | 2 | 0.500 | 0.800 | 0.800 |",
     ]
 
 
