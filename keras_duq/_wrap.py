@@ -103,7 +103,7 @@ def wrap(
         categorical_cross_entropy_weight: float >= 0, weight of a
             categorical cross-entropy over the classes' distances added to
             the paper's loss (see `DUQModel`); `0` is the paper's loss.
-            Defaults to `3.0`.
+            Defaults to `10.0`.
         trainable_length_scale: bool, learn one length scale per class, at
             the optimizer's full rate (see `DUQOutput`: with SGD at 0.05
             they grew too fast). Defaults to `False`.
