@@ -188,10 +188,11 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
             the centroid it is nearest to, which the binary cross-entropy
             barely does while that kernel value is small. Defaults to `10.0`:
             on the backbones of docs/own_model.md, after 3 epochs of Adam,
-            it raised accuracy, and on most the AUROC against MNIST, more
-            than `3.0` did; with SGD at 0.05 and momentum 0.9, `30.0` cost
-            accuracy where `10.0` did not. `0` is the paper's loss (its
-            recipes in `examples/` pass it).
+            it gave more accuracy than the paper's loss and than `3.0`,
+            with AUROC against MNIST as high or higher on most; with SGD at
+            0.05 and momentum 0.9, `30.0` cost accuracy where `10.0` did
+            not. `0` is the paper's loss (its recipes in `examples/` pass
+            it).
         health_checks: bool, whether `fit`, `evaluate` and `predict` watch
             DUQ's failure modes (kernel values that underflow, unsettled
             BatchNormalization statistics, centroids that never received

@@ -96,9 +96,16 @@ def _settings(rate, weight=0.0):
     )
 
 
-def test_own_model_summary_averages_each_setup_over_its_seeds(tmp_path):
+def _summary_rows(tmp_path, records, at_epochs=(1,)):
+    """The own-model summary's lines for these records, written as a JSONL file."""
     from benchmarks.own_model_defaults import summarize
 
+    path = tmp_path / "runs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return summarize(path, at_epochs=at_epochs).splitlines()
+
+
+def test_own_model_summary_averages_each_setup_over_its_seeds(tmp_path):
     def record(seed, head, aurocs):
         epochs = [
             {"epoch": epoch, "accuracy": 0.5 + 0.1 * seed, "auroc": auroc}
@@ -112,11 +119,9 @@ def test_own_model_summary_averages_each_setup_over_its_seeds(tmp_path):
             "epochs": epochs,
         }
 
-    path = tmp_path / "runs.jsonl"
     records = [record(1, "duq", [0.8, 0.9]), record(0, "duq", [0.6, 0.7])]
     records.append(record(0, "softmax", [0.5]))
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    rows = summarize(path, at_epochs=(1, 2)).splitlines()
+    rows = _summary_rows(tmp_path, records, at_epochs=(1, 2))
     assert len(rows) == 4  # header, rule, one row per setup
     # Seeds in order, mean accuracy, AUROC per seed and its mean, per epoch.
     assert rows[2] == (
@@ -137,8 +142,6 @@ def _duq_record(seed, **fields):
 
 
 def test_own_model_summary_groups_runs_by_the_rate_at_which_w_learned(tmp_path):
-    from benchmarks.own_model_defaults import summarize
-
     # The layer at 0.1; the layer at 1.0 with the optimizer's step for W
     # scaled by 0.1 (a record that does not name the layer's rate); and the
     # layer at 1.0.
@@ -147,9 +150,7 @@ def test_own_model_summary_groups_runs_by_the_rate_at_which_w_learned(tmp_path):
         _duq_record(1, projection_learning_rate=0.1),
         _duq_record(2, head_projection_learning_rate=1.0, projection_learning_rate=1.0),
     ]
-    path = tmp_path / "runs.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    rows = summarize(path, at_epochs=(1,)).splitlines()
+    rows = _summary_rows(tmp_path, records)
     assert rows[2:] == [
         f"| mlp | duq | {_settings(0.1)} | 0, 1 | 0.500 | 0.600, 0.700 | 0.650 |",
         f"| mlp | duq | {_settings(1.0)} | 2 | 0.500 | 0.800 | 0.800 |",
@@ -157,8 +158,6 @@ def test_own_model_summary_groups_runs_by_the_rate_at_which_w_learned(tmp_path):
 
 
 def test_own_model_summary_groups_runs_by_the_categorical_weight(tmp_path):
-    from benchmarks.own_model_defaults import summarize
-
     # A record that does not name the weight was made when the default was 0.
     records = [
         _duq_record(0, head_projection_learning_rate=0.1),
@@ -169,9 +168,7 @@ def test_own_model_summary_groups_runs_by_the_categorical_weight(tmp_path):
             2, head_projection_learning_rate=0.1, categorical_cross_entropy_weight=3.0
         ),
     ]
-    path = tmp_path / "runs.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    rows = summarize(path, at_epochs=(1,)).splitlines()
+    rows = _summary_rows(tmp_path, records)
     assert rows[2:] == [
         f"| mlp | duq | {_settings(0.1)} | 0, 1 | 0.500 | 0.600, 0.700 | 0.650 |",
         f"| mlp | duq | {_settings(0.1, 3.0)} | 2 | 0.500 | 0.800 | 0.800 |",
@@ -179,8 +176,6 @@ def test_own_model_summary_groups_runs_by_the_categorical_weight(tmp_path):
 
 
 def test_own_model_summary_gives_re_estimated_statistics_a_row_of_their_own(tmp_path):
-    from benchmarks.own_model_defaults import summarize
-
     epochs = [
         {
             "epoch": 1,
@@ -198,9 +193,7 @@ def test_own_model_summary_gives_re_estimated_statistics_a_row_of_their_own(tmp_
         "recompute_batch_norm": True,
         "epochs": epochs,
     }
-    path = tmp_path / "runs.jsonl"
-    path.write_text(json.dumps(record) + "\n")
-    rows = summarize(path, at_epochs=(1,)).splitlines()
+    rows = _summary_rows(tmp_path, [record])
     assert rows[2:] == [
         f"| batchnorm | duq | {_settings(1.0)} | 0 | 0.600 | 0.700 | 0.700 |",
         f"| batchnorm | duq, BN re-estimated | {_settings(1.0)} | 0 |"
@@ -209,8 +202,6 @@ def test_own_model_summary_gives_re_estimated_statistics_a_row_of_their_own(tmp_
 
 
 def test_own_model_summary_separates_optimizer_feature_layer_and_callback(tmp_path):
-    from benchmarks.own_model_defaults import summarize
-
     def record(head, **setup):
         epochs = [{"epoch": 1, "accuracy": 0.5, "auroc": 0.6}]
         return dict(
@@ -223,11 +214,7 @@ def test_own_model_summary_separates_optimizer_feature_layer_and_callback(tmp_pa
         record("softmax", optimizer="adam", feature_layer="layer_norm"),
         record("duq", optimizer="adam", recompute_callback=True),
     ]
-    path = tmp_path / "runs.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    heads = [
-        row.split(" | ")[1] for row in summarize(path, at_epochs=(1,)).splitlines()[2:]
-    ]
+    heads = [row.split(" | ")[1] for row in _summary_rows(tmp_path, records)[2:]]
     assert heads == [
         "duq, RecomputeBatchNormStatistics",
         "softmax",
