@@ -877,7 +877,7 @@ def _check_input_scale(model, inputs):
         )
 
 
-def _feature_noise_layer(layer):
+def feature_noise_layer(layer):
     """The noise layer whose output (reshaped at most) `layer` returns, or `None`.
 
     Looks into Sequential and functional models only: a subclassed model's
@@ -894,18 +894,19 @@ def _feature_noise_layer(layer):
         if isinstance(child, keras.layers.InputLayer):
             return None
         if not isinstance(child, _RESHAPING_LAYERS):
-            return _feature_noise_layer(child)
+            return feature_noise_layer(child)
     return None
 
 
 def _check_feature_noise(model):
     """Warns when the features come out of a dropout or noise layer (the
     measurement behind it: docs/own_model.md, "Dropout right before the head")."""
-    layer = _feature_noise_layer(model.feature_extractor)
+    layer = feature_noise_layer(model.feature_extractor)
     if layer is None:
         return
     rate = getattr(layer, "rate", None)
     described = type(layer).__name__ + ("" if rate is None else f"(rate={rate:g})")
+    weight = model.categorical_cross_entropy_weight
     _warn(
         model,
         "feature_noise",
@@ -914,15 +915,15 @@ def _check_feature_noise(model):
         "training it zeroes or perturbs a random part of every feature vector, "
         "and DUQ's kernel values (exp of minus the squared distance to a "
         "centroid over twice the squared length scale) are far more sensitive "
-        "to that noise than a softmax head: keras.io's MNIST convnet, which "
-        "ends in `Dropout(0.5)`, reached 0.85 test accuracy on FashionMNIST "
-        "after 3 epochs of Adam with DUQ's defaults against 0.88 with softmax; "
-        "without the `Dropout`, 0.87 (docs/own_model.md). Remove that layer "
-        "from the backbone (the gradient penalty regularises DUQ), or move it "
-        "before the backbone's last Dense layer. Where it must stay and the "
-        "optimizer is Adam, a heavier categorical term "
-        "(`keras_duq.wrap(..., categorical_cross_entropy_weight=30.0)`) gave "
-        "that convnet 0.87.",
+        "to that noise than a softmax head. With DUQ's defaults, which weigh "
+        "the categorical term 30 behind dropout at rate 0.5 (this model: "
+        f"`categorical_cross_entropy_weight={weight:g}`), "
+        "keras.io's MNIST convnet, which ends in `Dropout(0.5)`, reached 0.87 "
+        "test accuracy on FashionMNIST after 3 epochs of Adam against 0.88 "
+        "with softmax, and an AUROC against MNIST of 0.95; without the "
+        "`Dropout`, 0.87 and 0.98 (docs/own_model.md). Remove that layer from "
+        "the backbone (the gradient penalty regularises DUQ), or move it "
+        "before the backbone's last Dense layer.",
     )
 
 

@@ -7,7 +7,6 @@ from typing import Any
 
 import keras
 
-from keras_duq._duq_model import DEFAULT_CATEGORICAL_CROSS_ENTROPY_WEIGHT
 from keras_duq._duq_model import DEFAULT_GRADIENT_PENALTY
 from keras_duq._duq_model import DEFAULT_WEIGHT_DECAY
 from keras_duq._duq_model import DUQModel
@@ -31,7 +30,7 @@ def wrap(
     penalty_interval: int = 1,
     weight_decay: float = DEFAULT_WEIGHT_DECAY,
     bce_epsilon: float = 0.0,
-    categorical_cross_entropy_weight: float = DEFAULT_CATEGORICAL_CROSS_ENTROPY_WEIGHT,
+    categorical_cross_entropy_weight: float | None = None,
     trainable_length_scale: bool = False,
     bias_correction: bool = False,
     trainable_projection: bool = True,
@@ -100,10 +99,11 @@ def wrap(
         bce_epsilon: float >= 0, floor of `K (1 - K)` in the cross-entropy
             gradient's denominator; `0` (default) is the exact gradient,
             `1e-12` that of the paper's PyTorch code (see `DUQModel`).
-        categorical_cross_entropy_weight: float >= 0, weight of a
-            categorical cross-entropy over the classes' distances added to
-            the paper's loss (see `DUQModel`); `0` is the paper's loss.
-            Defaults to `10.0`.
+        categorical_cross_entropy_weight: float >= 0 or `None`, weight of
+            a categorical cross-entropy over the classes' distances added
+            to the paper's loss (see `DUQModel`); `0` is the paper's loss.
+            `None` (default) takes `10.0`, or more when the backbone's
+            features come straight out of a dropout layer (30 at rate 0.5).
         trainable_length_scale: bool, learn one length scale per class, at
             the optimizer's full rate (see `DUQOutput`: with SGD at 0.05
             they grew too fast). Defaults to `False`.
