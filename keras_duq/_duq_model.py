@@ -64,15 +64,17 @@ def default_categorical_cross_entropy_weight(feature_extractor: keras.Layer) -> 
     """The categorical term's weight when the user gives none.
 
     `10 (1 + 2 p / (1 - p))` for features that come straight out of dropout
-    at rate `p` (10 without): `p / (1 - p)` is the dropout's variance
-    relative to each feature's square, and the binary cross-entropy's
-    own-class term grows with that variance through `W`, so that the loss
-    shrinks `W` at the cost of the classes' separation (docs/own_model.md,
+    at rate `p` (10 without). `p / (1 - p)` is the dropout's variance
+    relative to each feature's square; the binary cross-entropy's own-class
+    term grows with it through `W`, which can pull `W` smaller at the cost
+    of the classes' separation (the explanation in docs/own_model.md,
     "Dropout right before the head"). The factor 2 comes from measurement
-    there: 30 at rate 0.5, 15 at rate 0.2.
+    ("The categorical weight behind dropout"): 30 at rate 0.5, 15 at 0.2.
     """
-    rate = getattr(_health.feature_noise_layer(feature_extractor), "rate", 0.0)
-    relative_variance = float(rate) / (1.0 - float(rate))
+    rate = float(getattr(_health.feature_noise_layer(feature_extractor), "rate", 0))
+    if not 0.0 < rate < 1.0:  # no dropout, or (rate 1) no features to weigh
+        return DEFAULT_CATEGORICAL_CROSS_ENTROPY_WEIGHT
+    relative_variance = rate / (1.0 - rate)
     return DEFAULT_CATEGORICAL_CROSS_ENTROPY_WEIGHT * (1.0 + 2.0 * relative_variance)
 
 

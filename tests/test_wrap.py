@@ -91,6 +91,7 @@ def test_categorical_weight_defaults_higher_for_features_out_of_dropout():
     # 10 (1 + 2 p / (1 - p)) for dropout at rate p.
     assert weight(keras.layers.Dropout(0.5), keras.layers.Flatten()) == 30.0
     assert weight(keras.layers.Dropout(0.2)) == pytest.approx(15.0)
+    assert weight(keras.layers.Dropout(1.0)) == 10.0  # features always zero
     # A dropout that feeds a Dense layer leaves the features noiseless.
     assert weight(keras.layers.Dropout(0.5), keras.layers.Dense(4)) == 10.0
     # A weight the user gives is kept, and the one used is saved.
