@@ -39,6 +39,11 @@ behaviour degrades with one warning instead of failing.
    module there; loading the file on TensorFlow or JAX would import PyTorch
    and build the torch class. Degrades to: nothing to rename, where a
    future Keras names them by their public name.
+7. `purged_values_restored_on_failure(model)`: Keras's JAX loops empty the
+   variables (`Variable._value`) for the length of a call; a call that
+   fails before its first step leaves them empty. The values from before
+   the call are put back into the variables still empty. Degrades to: no
+   worse than Keras itself, if the attribute moves.
 """
 
 from __future__ import annotations
@@ -47,6 +52,8 @@ import contextlib
 import importlib
 import threading
 import warnings
+
+import keras
 
 _MOMENTS_MODULE = "keras.src.backend.tensorflow.nn"
 _MOMENTS_NAME = "_compute_moments"
@@ -159,6 +166,38 @@ def mark_state_restored(model):
             "keras_duq could not find the JAX trainer's `_jax_state_synced`; "
             "after a rejected batch the model's variables may be unusable.",
         )
+
+
+@contextlib.contextmanager
+def purged_values_restored_on_failure(model):
+    """On JAX, a failed call leaves the model's variables holding values.
+
+    Keras's JAX loops take the variables' values out of them for the length
+    of a call (`_purge_model_variables`) and put the newest state back when
+    the call ends; a call that fails before its first step returns leaves
+    them empty, and every later use of the model fails on `None`. JAX arrays
+    are immutable, so keeping references to the values costs nothing: those
+    still empty after a failure get their value from before the call. State
+    that steps of this call produced and Keras put back stays.
+    """
+    if keras.backend.backend() != "jax":
+        yield
+        return
+    variables = list(model.variables) + list(model.metrics_variables)
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and getattr(optimizer, "built", False):
+        variables += list(optimizer.variables)
+    saved = [(variable, getattr(variable, "_value", None)) for variable in variables]
+    try:
+        yield
+    except BaseException:
+        for variable, value in saved:
+            if getattr(variable, "_value", None) is None and value is not None:
+                variable._value = value
+        if hasattr(model, "_jax_state_synced"):
+            model._jax_state = None
+            model._jax_state_synced = True
+        raise
 
 
 def all_layers(layer):

@@ -12,9 +12,11 @@ import numpy as np
 from keras import ops
 
 from keras_duq import _compat
+from keras_duq import _data_checks
 from keras_duq import _health
 from keras_duq import _ops
 from keras_duq import _penalty_input
+from keras_duq import _trainer
 from keras_duq._duq_output import DUQOutput
 from keras_duq._typing import Tensor
 from keras_duq._validation import check_non_negative
@@ -315,7 +317,9 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
 
     def call(self, inputs: Any, training: bool | None = None) -> Tensor:
         features = self.feature_extractor(inputs, training=training)
-        return self.duq_output(features)
+        # A row whose input is not finite gets NaN kernel values, never a
+        # finite certainty.
+        return _trainer.nan_for_non_finite_inputs(inputs, self.duq_output(features))
 
     @property
     def metrics(self) -> list[keras.metrics.Metric]:
@@ -384,14 +388,35 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
     # pipeline without tf.data's autotuning (`quiet_array_inputs`).
 
     def fit(self, *args: Any, **kwargs: Any) -> keras.callbacks.History:
+        _check_data(self, super().fit, "fit", args, kwargs)
         if self.health_checks:
             args, kwargs = _health.with_health_check(self, super().fit, args, kwargs)
         args, kwargs = _arguments_for(
             super().fit, "fit", args, kwargs, self.num_classes
         )
-        return super().fit(*args, **kwargs)
+        iterations = _iterations(self)
+        with _failed_call_guard(self):
+            try:
+                history = super().fit(*args, **kwargs)
+            except UnboundLocalError as error:  # Keras's JAX loop, on no batches
+                raise ValueError(_EMPTY_STREAM_MESSAGE.format(method="fit")) from error
+            except Exception as error:
+                rejected = _rejected_batch_error(self, error, iterations)
+                if rejected is None:
+                    raise
+                raise rejected from error
+        ran_no_step = (
+            _iterations(self) == iterations
+            and kwargs.get("epochs", 1) > kwargs.get("initial_epoch", 0)
+            and not self.stop_training
+            and not self._uses_loss_scale()
+        )
+        if ran_no_step:
+            raise ValueError(_EMPTY_STREAM_MESSAGE.format(method="fit"))
+        return history
 
     def evaluate(self, *args: Any, **kwargs: Any) -> Any:
+        _check_data(self, super().evaluate, "evaluate", args, kwargs)
         if self.health_checks:
             args, kwargs = _health.with_health_check(
                 self, super().evaluate, args, kwargs
@@ -399,14 +424,45 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
         args, kwargs = _arguments_for(
             super().evaluate, "evaluate", args, kwargs, self.num_classes
         )
-        return super().evaluate(*args, **kwargs)
+        with _failed_call_guard(self):
+            try:
+                results = super().evaluate(*args, **kwargs)
+            except UnboundLocalError as error:  # Keras's JAX loop, on no batches
+                raise ValueError(
+                    _EMPTY_STREAM_MESSAGE.format(method="evaluate")
+                ) from error
+        if float(self._objective_tracker.count) == 0:
+            raise ValueError(_EMPTY_STREAM_MESSAGE.format(method="evaluate"))
+        return results
 
     def predict(self, *args: Any, **kwargs: Any) -> np.ndarray:
+        _check_data(self, super().predict, "predict", args, kwargs)
         args, kwargs = _arguments_for(super().predict, "predict", args, kwargs)
-        kernel_values = super().predict(*args, **kwargs)
+        with _failed_call_guard(self):
+            try:
+                kernel_values = super().predict(*args, **kwargs)
+            except UnboundLocalError as error:  # Keras, on a stream of no batches
+                raise ValueError(
+                    _EMPTY_STREAM_MESSAGE.format(method="predict")
+                ) from error
         if self.health_checks:
             _health.check_predictions(self, kernel_values)
         return kernel_values
+
+    def train_on_batch(self, x: Any, y: Any = None, *args: Any, **kwargs: Any) -> Any:
+        _data_checks.check_call_data(self, "fit", {"x": x, "y": y})
+        with _failed_call_guard(self):
+            return super().train_on_batch(x, y, *args, **kwargs)
+
+    def test_on_batch(self, x: Any, y: Any = None, *args: Any, **kwargs: Any) -> Any:
+        _data_checks.check_call_data(self, "evaluate", {"x": x, "y": y})
+        with _failed_call_guard(self):
+            return super().test_on_batch(x, y, *args, **kwargs)
+
+    def predict_on_batch(self, x: Any) -> Any:
+        _data_checks.check_call_data(self, "predict", {"x": x})
+        with _failed_call_guard(self):
+            return super().predict_on_batch(x)
 
     def _update_duq_metrics(
         self,
@@ -518,6 +574,7 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
 
         if format != "tf_saved_model":
             _export.check_no_serving_options(format, certainty_threshold, calibrator)
+            _export.check_format_packages(format)
             if input_signature is None:
                 # Keras infers no signature for a model subclass until called.
                 input_signature = [
@@ -533,6 +590,7 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
                 **kwargs,
             )
         _export.check_export_options(certainty_threshold, calibrator, kwargs)
+        _export.check_format_packages(format)
         _export.export_saved_model(
             self,
             filepath,
@@ -657,3 +715,46 @@ def _find_duq_output(inputs, outputs):
             f"`keras_duq.wrap(backbone, num_classes)`. Received: `outputs={outputs!r}`"
         )
     return layer
+
+
+_EMPTY_STREAM_MESSAGE = (
+    "`{method}` received empty data: its input yielded no batches. Check the "
+    "dataset, generator or `PyDataset` passed as `x` (and `steps`, if given)."
+)
+
+
+def _check_data(model, method, name, args, kwargs):
+    """`_data_checks.check_call_data` on the Keras `method`'s bound arguments."""
+    signature = inspect.signature(method)
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    arguments = dict(bound.arguments)
+    arguments.update(arguments.pop("kwargs", {}) or {})
+    _data_checks.check_call_data(model, name, arguments)
+
+
+def _iterations(model):
+    return _health.optimizer_steps(model) or 0
+
+
+def _failed_call_guard(model):
+    """What keeps a failed call from leaving the model unusable (see `_compat`)."""
+    return _compat.purged_values_restored_on_failure(model)
+
+
+def _rejected_batch_error(model, error, iterations):
+    """A `ValueError` for a batch the step rejected, with the steps applied before it.
+
+    `None` for any other error, which propagates as it is.
+    """
+    text = str(error)
+    for code in _trainer.ALL_ERRORS:
+        message = _trainer.error_message(code, model.num_classes)
+        if message in text:
+            applied = _iterations(model) - iterations
+            return ValueError(
+                f"{message} The rejected batch changed nothing; {applied} "
+                "training step(s) of this `fit` call were applied before it "
+                "and the model keeps them."
+            )
+    return None

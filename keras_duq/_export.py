@@ -19,6 +19,7 @@ from typing import Any
 import keras
 from keras import ops
 
+from keras_duq._trainer import nan_for_non_finite_inputs
 from keras_duq._typing import Tensor
 
 if TYPE_CHECKING:
@@ -45,9 +46,45 @@ _TORCH_MESSAGE = (
     "`model.save('duq.keras')`, load it in a process started with "
     "`KERAS_BACKEND=tensorflow` (or `jax`) with "
     "`keras.models.load_model('duq.keras')`, and call `export` there; or "
-    "export the kernel values alone with `format='onnx'`. "
-    "Received: backend 'torch'"
+    "export the kernel values alone with `format='onnx'` (its packages: "
+    "`pip install \"keras-duq[export]\"`). Received: backend 'torch'"
 )
+
+# The modules each export format needs, by backend (`None`: any backend).
+_FORMAT_MODULES = {
+    "tf_saved_model": {None: ("tensorflow",)},
+    "onnx": {"torch": ("onnx", "onnxscript"), None: ("tensorflow", "onnx", "tf2onnx")},
+    "openvino": {None: ("openvino",)},
+    "litert": {None: ("tensorflow",)},
+}
+
+
+def check_format_packages(format: str) -> None:
+    """Raises an `ImportError` naming the extra to install when `format` cannot be written.
+
+    Called before anything is traced or written.
+    """
+    import importlib.util
+
+    by_backend = _FORMAT_MODULES.get(format)
+    if by_backend is None:
+        return  # Keras reports an unknown format itself.
+    backend = keras.backend.backend()
+    modules = by_backend.get(backend, by_backend[None])
+    def installed(name):
+        try:
+            return importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            return False
+
+    missing = [name for name in modules if not installed(name)]
+    if missing:
+        raise ImportError(
+            f"`export(format={format!r})` on the {backend} backend needs the "
+            f"package(s) {', '.join(missing)}, which are not installed. Install "
+            'them with `pip install "keras-duq[export]"` (or `pip install '
+            f"{' '.join(missing)}`). Received: `format={format!r}`"
+        )
 
 
 def check_export_options(
@@ -139,6 +176,9 @@ def serving_outputs(
     """
     features = model.feature_extractor(inputs, training=False)
     log_kernel = model.duq_output.log_kernel_values(features)
+    # NaN where an input row is not finite: its certainty is NaN, its
+    # `accept` False.
+    log_kernel = nan_for_non_finite_inputs(inputs, log_kernel)
     kernel_values = ops.exp(log_kernel)
     certainty = ops.max(kernel_values, axis=-1)
     outputs = {

@@ -51,6 +51,9 @@ UNDERFLOW_LOG_KERNEL = float(np.log(UNDERFLOW_KERNEL_VALUE))
 # "(Nearly) every example": the fraction of examples at which a per-example
 # failure warns.
 MOST_EXAMPLES = 0.9
+# A mean certainty on the training batches below this is no certainty at all:
+# a trained model's is near 1 on the data it was fit to.
+NEGLIGIBLE_CERTAINTY = 1e-3
 # An input-gradient norm below this counts as zero (two-sided penalty only:
 # it is then within 2e-3 of 1, its value at a zero gradient).
 ZERO_GRADIENT_NORM = 1e-3
@@ -469,7 +472,7 @@ def _check_underflow(model, fraction, mode, where):
 
 
 def _check_batch_norm(model, comparison, where):
-    _state(model)["compared_at"] = _iterations(model)
+    _state(model)["compared_at"] = optimizer_steps(model)
     if not comparison.layers or comparison.gap <= BATCH_NORM_GAP:
         return
     listed = ", ".join(
@@ -542,7 +545,8 @@ def _check_centroid_overlap(model, where):
     return value
 
 
-def _iterations(model):
+def optimizer_steps(model: DUQModel) -> int | None:
+    """`model.optimizer.iterations` as an int (`None` before `compile`)."""
     iterations = getattr(getattr(model, "optimizer", None), "iterations", None)
     return None if iterations is None else int(_float64(iterations))
 
@@ -550,7 +554,7 @@ def _iterations(model):
 def _record_centroid_start(model):
     """Keeps the centroid counts at the start of the model's first `fit`."""
     state = _state(model)
-    iterations = _iterations(model)
+    iterations = optimizer_steps(model)
     start = state["centroid_start"]
     # A new optimizer restarts the step count: start again from here.
     if start is None or iterations < start[1]:
@@ -562,7 +566,7 @@ def _record_centroid_start(model):
 
 def _warmed_up(model):
     """Whether `model` is past DUQ's start-up (see `WARMUP_STEPS`)."""
-    iterations = _iterations(model)
+    iterations = optimizer_steps(model)
     if iterations is None or iterations < WARMUP_STEPS:
         return False
     layer = model.duq_output
@@ -582,7 +586,7 @@ def _warmed_up(model):
 def _check_unseen_classes(model):
     """Warns about classes whose centroid gained nothing since the first `fit`."""
     counts_before, iterations_before = _state(model)["centroid_start"]
-    steps = _iterations(model) - iterations_before
+    steps = optimizer_steps(model) - iterations_before
     layer = model.duq_output
     counts = _float64(layer.centroid_counts)
     # Without examples a count only decays, `N <- momentum * N`: what it
@@ -629,6 +633,45 @@ def _check_constant_penalty(model, fraction, where):
     )
 
 
+def _check_short_run(model, logs):
+    """A run too short for the other checks that ends with no certainty at all.
+
+    Before the warm-up (`WARMUP_STEPS`, `WARMUP_DATA_SHARE`) kernel values
+    that underflow are expected; a whole `fit` that ends so, with a constant
+    penalty too, has learnt nothing DUQ can use, however few steps it had.
+    """
+    certainty = logs.get("certainty")
+    zero_gradient = logs.get("zero_input_gradient")
+    if certainty is None or not float(certainty) < NEGLIGIBLE_CERTAINTY:
+        return
+    if zero_gradient is not None and not float(zero_gradient) >= MOST_EXAMPLES:
+        return
+    layer = model.duq_output
+    steps = optimizer_steps(model) or 0
+    prior = (
+        _ops.BIAS_CORRECTED_CENTROID_COUNT
+        if layer.bias_correction
+        else _ops.INITIAL_CENTROID_COUNT
+    )
+    random_share = prior * layer.momentum**steps / max(
+        _float64(layer.centroid_counts).mean(), 1e-12
+    )
+    _warn(
+        model,
+        "short_run",
+        KernelUnderflowWarning,
+        f"`fit` ended after {steps} training steps with a mean certainty of "
+        f"{float(certainty):.2g} on the last epoch's training batches (below "
+        f"{NEGLIGIBLE_CERTAINTY:g}) and a constant gradient penalty: the "
+        "model's certainty means nothing yet, and its "
+        "predictions can stay at one class. The centroids still owe "
+        f"{min(random_share, 1.0):.0%} of their value to their random start "
+        f"(`momentum={layer.momentum:g}`). For a short run, pass "
+        "`bias_correction=True` (centroids from the class means of the first "
+        "batches) or a lower `momentum` (e.g. 0.9), or train longer.",
+    )
+
+
 def _compare_modes(model, inputs, chunk_size=None):
     """The `_ModeComparison` on `inputs` (or `None` without inputs)."""
     if inputs is None:
@@ -661,7 +704,9 @@ def check_predictions(model: DUQModel, kernel_values: Any) -> None:
     the moving ones by nature.
     """
     state = _state(model)
-    if state["out_of_distribution"]:
+    # An untrained model's kernel values underflow by nature (its centroids
+    # are random): nothing to warn about yet.
+    if state["out_of_distribution"] or not optimizer_steps(model):
         return
     if (
         isinstance(kernel_values, np.ndarray)
@@ -672,7 +717,7 @@ def check_predictions(model: DUQModel, kernel_values: Any) -> None:
         _check_underflow(model, fraction, "inference", "`predict`")
     # `predict` runs often (in callbacks, on grids): check the modes once per
     # set of weights.
-    if "batch_norm" in state["warned"] or state["compared_at"] == _iterations(model):
+    if "batch_norm" in state["warned"] or state["compared_at"] == optimizer_steps(model):
         return
     if _batch_norm_layers(model.feature_extractor):
         comparison = _compare_modes(
@@ -788,6 +833,7 @@ class HealthCheck(keras.callbacks.Callback):
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         model = self._checked_model()
         logs = {} if logs is None else logs
+        self._last_logs = dict(logs)
         if self._epoch_warmed_up:
             where = f"`fit`, epoch {epoch + 1}"
             _check_underflow(model, logs.get("underflow"), "training", where)
@@ -810,6 +856,8 @@ class HealthCheck(keras.callbacks.Callback):
     def on_train_end(self, logs: dict | None = None) -> None:
         model = self._checked_model()
         self._in_fit = False
+        if not _warmed_up(model):
+            _check_short_run(model, getattr(self, "_last_logs", {}))
         if _warmed_up(model):
             _check_final_state(
                 model,

@@ -47,6 +47,7 @@ from keras_duq._validation import standardize_inputs
 LABEL_RANGE, FRACTIONAL_LABEL, NON_FINITE_INPUT = 1, 2, 3
 NON_FINITE_STEP, NON_FINITE_CENTROIDS = 4, 5
 BATCH_ERRORS = (LABEL_RANGE, FRACTIONAL_LABEL, NON_FINITE_INPUT)
+ALL_ERRORS = BATCH_ERRORS + (NON_FINITE_STEP, NON_FINITE_CENTROIDS)
 
 
 def error_message(code: int, num_classes: int) -> str:
@@ -293,6 +294,26 @@ def all_finite(tensors):
     if not checks:
         return ops.convert_to_tensor(True)
     return ops.all(ops.stack(checks))
+
+
+def nan_for_non_finite_inputs(inputs, values):
+    """`values` `(batch, ...)` with NaN in the rows whose float inputs are not finite.
+
+    Layers such as ReLU map NaN to a number, so a non-finite input can get a
+    finite kernel value; this keeps inference from answering for it.
+    """
+    checks = [
+        ops.all(ops.isfinite(ops.reshape(t, (ops.shape(t)[0], -1))), axis=1)
+        for t in keras.tree.flatten(inputs)
+        if is_float(t.dtype) and len(t.shape) > 0
+    ]
+    if not checks:
+        return values
+    finite = checks[0]
+    for check in checks[1:]:
+        finite = ops.logical_and(finite, check)
+    finite = ops.reshape(finite, (-1,) + (1,) * (len(values.shape) - 1))
+    return ops.where(finite, values, ops.full_like(values, float("nan")))
 
 
 class Trainer:

@@ -110,10 +110,12 @@ def test_export_matches_predict_loaded_with_tensorflow_alone(tmp_path):
     calibrator = CertaintyCalibrator().fit(
         kernel_values.max(axis=1), kernel_values.argmax(axis=1) == y
     )
-    x = x[:9]
-    expected = kernel_values[:9]
+    x = x[:9].copy()
+    expected = kernel_values[:9].copy()
     # The median certainty itself: `>=` is tested at equality too.
     threshold = float(np.median(expected.max(axis=1)))
+    x[4, 0] = np.nan  # a row that must never be accepted
+    expected[4] = np.nan
     path = str(tmp_path / "savedmodel")
     model.export(path, certainty_threshold=threshold, calibrator=calibrator)
     exports = {path: {"inputs": x}}
@@ -148,14 +150,18 @@ def test_export_matches_predict_loaded_with_tensorflow_alone(tmp_path):
     np.testing.assert_allclose(
         served["certainty"], expected.max(axis=1), rtol=tolerance, atol=1e-7
     )
-    np.testing.assert_array_equal(served["predictions"], expected.argmax(axis=1))
+    finite = np.arange(len(x)) != 4
+    np.testing.assert_array_equal(
+        served["predictions"][finite], expected[finite].argmax(axis=1)
+    )
+    assert np.isnan(served["certainty"][4]) and not served["accept"][4]
     np.testing.assert_array_equal(
         served["accept"], served["certainty"] >= np.float32(threshold)
     )
     assert 0 < served["accept"].sum() < len(x)
     np.testing.assert_allclose(
-        served["probability_correct"],
-        calibrator(served["certainty"]),
+        served["probability_correct"][finite],
+        calibrator(served["certainty"][finite]),
         rtol=1e-6,
         atol=1e-7,
     )
@@ -229,6 +235,24 @@ def test_export_on_torch_says_how(tmp_path):
 
 
 # -------------------------------------------------- options are checked
+
+
+def test_export_without_its_packages_names_the_extra(tmp_path, monkeypatch):
+    """A format whose packages are missing: an ImportError naming the extra, nothing written."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+
+    def without_onnx(name, *args):
+        return None if name.split(".")[0] in ("onnx", "tf2onnx") else find_spec(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", without_onnx)
+    model = _model()
+    path = tmp_path / "duq.onnx"
+    with pytest.raises(ImportError, match=r'pip install "keras-duq\[export\]"'):
+        model.export(str(path), format="onnx")
+    assert not path.exists()
+
 
 
 def test_export_unknown_option_is_an_error(tmp_path):

@@ -1,0 +1,196 @@
+"""Checks of a call's data before `fit`, `evaluate` or `predict` changes anything.
+
+In-memory data (NumPy arrays, backend tensors, lists and dicts of them) is
+checked whole, in one vectorised pass per array, before the first step:
+inputs against the model's input shapes, emptiness, non-finite inputs (not
+in `predict`, which returns NaN for such rows), and the labels' format and
+values. A batch check inside the step would find a bad label only when its
+batch comes, after the earlier batches have trained the model. Streams
+(`tf.data`, generators, `PyDataset`) are checked batch by batch in the
+step; an empty `tf.data.Dataset` of known size is rejected here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import numpy as np
+
+from keras_duq import _compat
+from keras_duq._validation import FRACTIONAL_LABEL_MESSAGE
+from keras_duq._validation import NON_FINITE_INPUT_MESSAGE
+from keras_duq._validation import label_range_message
+from keras_duq._validation import label_shape_message
+
+NO_LABELS_MESSAGE = (
+    "DUQModel needs labels to train and evaluate: pass `y` (or a dataset of "
+    "`(x, y)` pairs)."
+)
+
+
+def check_call_data(model: Any, method: str, arguments: dict[str, Any]) -> None:
+    """Raises a `ValueError` for bad data of a `fit`/`evaluate`/`predict` call.
+
+    `arguments` maps every parameter of the Keras method to its value.
+    Nothing is changed, so a rejected call leaves the model as it was.
+    """
+    x, y = arguments.get("x"), arguments.get("y")
+    weights = arguments.get("sample_weight")
+    if x is None:
+        raise ValueError(
+            f"`{method}` received no data. Pass `x` (arrays, a "
+            "`tf.data.Dataset`, a generator or a `keras.utils.PyDataset`). "
+            "Received: `x=None`"
+        )
+    _check_dataset_not_empty(method, "x", x)
+    if not _compat.is_array_data(x, y, weights):
+        return
+    inputs = model.feature_extractor.input
+    check_arrays(
+        method, inputs, x, y, model.num_classes, "x", labels=method != "predict"
+    )
+    validation = arguments.get("validation_data")
+    if isinstance(validation, (tuple, list)):
+        val_x, val_y, val_weights = keras.utils.unpack_x_y_sample_weight(
+            tuple(validation)
+        )
+        if _compat.is_array_data(val_x, val_y, val_weights):
+            check_arrays(
+                method, inputs, val_x, val_y, model.num_classes, "validation_data"
+            )
+
+
+def check_arrays(
+    method: str,
+    specs: Any,
+    x: Any,
+    y: Any,
+    num_classes: int,
+    name: str,
+    labels: bool = True,
+) -> None:
+    """Checks in-memory inputs `x` (and labels `y` if `labels`) for one call."""
+    pairs = _paired_inputs(specs, x)
+    for path, spec, value in pairs:
+        array = _as_array(value)
+        where = f"`{name}{path}`"
+        if array.ndim == 0 or array.shape[0] == 0:
+            raise ValueError(
+                f"`{method}` received empty data: {where} has no examples "
+                f"(shape {array.shape}). Pass at least one example."
+            )
+        if spec is not None:
+            _check_shape(where, spec, array)
+        if method != "predict" and array.dtype.kind == "f":
+            _check_finite(where, array)
+    if not labels:
+        return
+    if y is None:
+        raise ValueError(NO_LABELS_MESSAGE)
+    label_name = "y" if name == "x" else f"{name}[1]"
+    _check_labels(label_name, _as_array(y), num_classes)
+
+
+def _check_dataset_not_empty(method, name, data):
+    try:
+        import tensorflow as tf
+    except ImportError:  # pragma: no cover - TensorFlow is optional
+        return
+    if isinstance(data, tf.data.Dataset) and int(data.cardinality()) == 0:
+        raise ValueError(
+            f"`{method}` received empty data: the `tf.data.Dataset` passed "
+            f"as `{name}` has no elements. Check its source and any `take`, "
+            "`filter` or `batch(..., drop_remainder=True)` that emptied it."
+        )
+
+
+def _paired_inputs(specs, x):
+    """`[(path, spec or None, value)]`: each input array with its declared spec."""
+    if isinstance(specs, dict) and isinstance(x, dict):
+        return [(f"[{key!r}]", specs.get(key), value) for key, value in x.items()]
+    if isinstance(specs, (list, tuple)) and isinstance(x, (list, tuple)):
+        if len(specs) == len(x):
+            return [(f"[{i}]", s, v) for i, (s, v) in enumerate(zip(specs, x))]
+        return [(f"[{i}]", None, v) for i, v in enumerate(x)]
+    if isinstance(specs, keras.KerasTensor) and not isinstance(x, (list, tuple, dict)):
+        return [("", specs, x)]
+    return [(f"[{i}]", None, v) for i, v in enumerate(keras.tree.flatten(x))]
+
+
+def _as_array(value):
+    if isinstance(value, np.ndarray):
+        return value
+    if hasattr(value, "detach"):  # a torch tensor
+        value = value.detach().cpu()
+    return np.asarray(value)
+
+
+def _check_shape(where, spec, array):
+    expected = tuple(spec.shape)
+    received = array.shape
+    compatible = len(expected) == len(received) and all(
+        e is None or e == r for e, r in zip(expected[1:], received[1:])
+    )
+    if compatible:
+        return
+    hint = ""
+    if len(received) == len(expected) - 1:
+        if all(e is None or e == r for e, r in zip(expected[1:], received)):
+            hint = " It looks like one example without its batch axis: use `x[None]`."
+        elif all(e is None or e == r for e, r in zip(expected[1:-1], received[1:])):
+            hint = " If the last axis is missing, add it: `x[..., None]`."
+    raise ValueError(
+        f"Expected {where} of shape {expected} (the batch axis first, as the "
+        f"model's input declares).{hint} Received: {where} of shape {received}"
+    )
+
+
+def _check_finite(where, array):
+    # A sum is one fast pass; the exact check only runs where it is not finite
+    # (or a large sum overflowed).
+    with np.errstate(over="ignore", invalid="ignore"):
+        if np.isfinite(np.sum(array)):
+            return
+    finite = np.isfinite(array.reshape(array.shape[0], -1)).all(axis=1)
+    bad = np.flatnonzero(~finite)
+    if bad.size == 0:
+        return
+    raise ValueError(
+        f"{NON_FINITE_INPUT_MESSAGE} Received: {where} with {bad.size} example(s) "
+        f"containing NaN or Inf, the first at index {int(bad[0])}."
+    )
+
+
+def _check_labels(name, y, num_classes):
+    if y.dtype.kind not in "iuf":
+        return  # the label dtype check reports it
+    shape = y.shape
+    if y.ndim == 2 and shape[-1] == num_classes and num_classes != 1:
+        if y.dtype.kind == "f" and not np.isfinite(y).all():
+            raise ValueError(
+                f"One-hot labels must be finite. Received: `{name}` with NaN or Inf."
+            )
+        return
+    if not (y.ndim == 1 or (y.ndim == 2 and shape[-1] == 1)):
+        raise ValueError(label_shape_message(num_classes, shape))
+    labels = y.reshape(-1)
+    if labels.size == 0:
+        raise ValueError(
+            f"Received empty labels: `{name}` has no examples (shape {shape})."
+        )
+    if y.dtype.kind == "f":
+        with np.errstate(invalid="ignore"):
+            fractional = np.flatnonzero(labels != np.floor(labels))
+        if fractional.size:
+            i = int(fractional[0])
+            raise ValueError(
+                f"{FRACTIONAL_LABEL_MESSAGE} Received: `{name}[{i}]={labels[i].item()!r}`"
+            )
+    outside = np.flatnonzero((labels < 0) | (labels >= num_classes))
+    if outside.size:
+        i = int(outside[0])
+        raise ValueError(
+            f"{label_range_message(num_classes)} Received: `{name}[{i}]={labels[i].item()!r}` "
+            f"({outside.size} label(s) outside the range)."
+        )

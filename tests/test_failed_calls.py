@@ -1,0 +1,278 @@
+"""A failed `fit`, `evaluate` or `predict` leaves the model usable and unchanged.
+
+Property-based: `hypothesis` generates bad data (input shapes, dtypes,
+NaN/Inf placement, label values and widths, empty and ragged data) and each
+case asserts a clear exception (a `ValueError`, never an internal
+`UnboundLocalError`, `AttributeError` or `TypeError`), then that the model
+still predicts and its weights, centroids and `optimizer.iterations` are
+those from before the call. Runs under every backend (`KERAS_BACKEND`); the
+number of cases tried is printed at the end of the run.
+"""
+
+import collections
+
+import keras
+import numpy as np
+import pytest
+from hypothesis import HealthCheck
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
+
+import keras_duq
+
+FEATURES, CLASSES = 8, 3
+CASES = collections.Counter()
+# Bounded, so that the suites stay within CI's time on every backend.
+SETTINGS = settings(
+    max_examples=12,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+
+
+@pytest.fixture(scope="module")
+def model():
+    keras.utils.set_random_seed(0)
+    backbone = keras.Sequential(
+        [keras.Input((FEATURES,)), keras.layers.Dense(16, activation="relu")]
+    )
+    model = keras_duq.wrap(backbone, num_classes=CLASSES)
+    model.compile(optimizer="adam")
+    x, y = _good(64)
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    return model
+
+
+def _good(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, FEATURES)).astype("float32"), rng.integers(
+        0, CLASSES, n
+    )
+
+
+def _state(model):
+    return [keras.ops.convert_to_numpy(v) for v in model.weights] + [
+        int(keras.ops.convert_to_numpy(model.optimizer.iterations))
+    ]
+
+
+def _assert_rejected_unchanged(model, call, kind):
+    CASES[kind] += 1
+    before = _state(model)
+    with pytest.raises(ValueError):
+        call()
+    after = _state(model)
+    assert after[-1] == before[-1], "optimizer.iterations changed"
+    for a, b in zip(before[:-1], after[:-1]):
+        np.testing.assert_array_equal(a, b)
+    x, _ = _good(4, seed=1)
+    assert model.predict(x, verbose=0).shape == (4, CLASSES)
+
+
+def _methods(model, x, y):
+    return {
+        "fit": lambda: model.fit(x, y, batch_size=16, verbose=0, shuffle=False),
+        "evaluate": lambda: model.evaluate(x, y, batch_size=16, verbose=0),
+        "train_on_batch": lambda: model.train_on_batch(x, y),
+    }
+
+
+bad_shapes = st.lists(st.integers(0, 10), min_size=0, max_size=4).filter(
+    lambda shape: not (len(shape) == 2 and shape[1] == FEATURES and shape[0] > 0)
+)
+
+
+@SETTINGS
+@given(shape=bad_shapes, method=st.sampled_from(["fit", "evaluate", "predict"]))
+def test_bad_input_shapes(model, shape, method):
+    x = np.zeros(shape, "float32")
+    n = shape[0] if shape else 1
+    y = np.zeros(n, "int64")
+    calls = _methods(model, x, y)
+    calls["predict"] = lambda: model.predict(x, verbose=0)
+    _assert_rejected_unchanged(model, calls[method], "input shape")
+
+
+@SETTINGS
+@given(
+    rows=st.lists(st.integers(0, 31), min_size=1, max_size=4, unique=True),
+    column=st.integers(0, FEATURES - 1),
+    value=st.sampled_from([np.nan, np.inf, -np.inf]),
+    dtype=st.sampled_from(["float32", "float64", "float16"]),
+    method=st.sampled_from(["fit", "evaluate", "train_on_batch"]),
+)
+def test_non_finite_inputs_in_training(model, rows, column, value, dtype, method):
+    x, y = _good(32)
+    x = x.astype(dtype)
+    x[rows, column] = value
+    _assert_rejected_unchanged(model, _methods(model, x, y)[method], "non-finite input")
+
+
+@SETTINGS
+@given(
+    rows=st.lists(st.integers(0, 15), min_size=1, max_size=4, unique=True),
+    value=st.sampled_from([np.nan, np.inf, -np.inf]),
+)
+def test_non_finite_inputs_predict_nan(model, rows, value):
+    CASES["non-finite input, predict"] += 1
+    x, _ = _good(16)
+    x[rows, 0] = value
+    before = _state(model)
+    kernel_values = model.predict(x, verbose=0)
+    assert np.isnan(kernel_values[rows]).all()
+    others = np.setdiff1d(np.arange(16), rows)
+    assert np.isfinite(kernel_values[others]).all()
+    assert all(np.array_equal(a, b) for a, b in zip(before, _state(model)))
+
+
+labels = st.one_of(
+    st.integers(CLASSES, 1000).map(lambda v: ("int", v)),
+    st.integers(-1000, -1).map(lambda v: ("int", v)),
+    st.floats(0.01, CLASSES - 0.01).filter(lambda v: v != int(v)).map(
+        lambda v: ("float", v)
+    ),
+    st.just(("float", float("nan"))),
+)
+
+
+@SETTINGS
+@given(
+    label=labels,
+    index=st.integers(0, 31),
+    method=st.sampled_from(["fit", "evaluate", "train_on_batch"]),
+)
+def test_bad_label_values(model, label, index, method):
+    kind, value = label
+    x, y = _good(32)
+    y = y.astype("float32" if kind == "float" else "int64")
+    y[index] = value
+    _assert_rejected_unchanged(model, _methods(model, x, y)[method], "label value")
+
+
+@SETTINGS
+@given(
+    width=st.integers(2, 8).filter(lambda w: w != CLASSES),
+    method=st.sampled_from(["fit", "evaluate", "train_on_batch"]),
+)
+def test_bad_label_widths(model, width, method):
+    x, y = _good(32)
+    one_hot = np.eye(width, dtype="float32")[y % width]
+    _assert_rejected_unchanged(model, _methods(model, x, one_hot)[method], "label width")
+
+
+@SETTINGS
+@given(method=st.sampled_from(["fit", "evaluate", "predict", "no labels"]))
+def test_empty_and_missing_data(model, method):
+    x, y = _good(32)
+    calls = {
+        "fit": lambda: model.fit(x[:0], y[:0], verbose=0),
+        "evaluate": lambda: model.evaluate(x[:0], y[:0], verbose=0),
+        "predict": lambda: model.predict(x[:0], verbose=0),
+        "no labels": lambda: model.fit(x, verbose=0),
+    }
+    _assert_rejected_unchanged(model, calls[method], "empty or missing")
+
+
+@SETTINGS
+@given(lengths=st.lists(st.integers(1, 12), min_size=2, max_size=5, unique=True))
+def test_ragged_inputs(model, lengths):
+    x = [[0.0] * n for n in lengths]
+    y = np.zeros(len(lengths), "int64")
+    _assert_rejected_unchanged(
+        model, lambda: model.fit(x, y, verbose=0), "ragged input"
+    )
+
+
+@SETTINGS
+@given(dtype=st.sampled_from(["U3", "O"]))
+def test_non_numeric_data(model, dtype):
+    x, y = _good(8)
+    calls = [
+        lambda: model.fit(x, y.astype(dtype), verbose=0),
+        lambda: model.predict(x.astype("U8"), verbose=0),
+    ]
+    for call in calls:
+        _assert_rejected_unchanged(model, call, "non-numeric")
+
+
+def test_bad_label_in_memory_raises_before_any_step(model):
+    """One bad label at index 200: the call raises before its first step."""
+    CASES["label value"] += 1
+    x, y = _good(256)
+    y[200] = 7
+    before = _state(model)
+    with pytest.raises(ValueError, match=r"y\[200\]=7"):
+        model.fit(x, y, batch_size=32, shuffle=False, verbose=0)
+    assert _state(model)[-1] == before[-1]
+
+
+def test_stream_rejection_says_how_many_steps_were_applied(model):
+    """A stream's bad batch changes nothing, and the message counts the steps before it."""
+    CASES["stream"] += 1
+    x, y = _good(256)
+    y[200] = 7
+
+    def batches():
+        for start in range(0, 256, 32):
+            yield x[start : start + 32], y[start : start + 32]
+
+    before = _state(model)[-1]
+    with pytest.raises(ValueError, match=r"6 training step\(s\) of this `fit` call"):
+        model.fit(batches(), verbose=0)
+    assert _state(model)[-1] == before + 6
+    assert model.predict(x[:4], verbose=0).shape == (4, CLASSES)
+
+
+def test_keras_error_in_a_stream_leaves_the_model_usable(model):
+    """A batch of the wrong width in a generator: Keras's own error, a usable model."""
+    CASES["stream"] += 1
+    x, y = _good(64)
+
+    def batches():
+        yield np.zeros((8, FEATURES + 1), "float32"), y[:8]
+
+    before = _state(model)
+    with pytest.raises(Exception) as raised:
+        model.fit(batches(), verbose=0)
+    assert not isinstance(raised.value, (UnboundLocalError, AttributeError))
+    assert _state(model)[-1] == before[-1]
+    assert model.predict(x[:4], verbose=0).shape == (4, CLASSES)
+
+
+def test_print_number_of_cases(capsys):
+    """Prints how many bad-input cases this run tried (runs last in the file)."""
+    with capsys.disabled():
+        total = sum(CASES.values())
+        print(f"\nfailed-call cases tried: {total} ({dict(CASES)})")
+    assert total > 0
+
+
+@pytest.mark.slow
+@pytest.mark.requires_backend("tensorflow")
+@pytest.mark.parametrize("backend", ["tensorflow", "jax", "torch"])
+def test_fit_killed_mid_epoch_resumes_with_backup_and_restore(tmp_path, backend):
+    """SIGKILL in epoch 2, then the same `fit`: the model of an uninterrupted run."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "scripts", "interrupted_fit.py")
+    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
+
+    def run(*args):
+        return subprocess.run(
+            [sys.executable, script, *args], env=env, capture_output=True, text=True
+        )
+
+    backup = str(tmp_path / "backup")
+    killed = run("kill", backup, str(tmp_path))
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    resumed = run("resume", backup, str(tmp_path))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    expected, actual = np.load(tmp_path / "full.npz"), np.load(tmp_path / "resumed.npz")
+    assert int(actual["iterations"]) == int(expected["iterations"]) == 18
+    for name in expected.files:
+        np.testing.assert_allclose(actual[name], expected[name], rtol=1e-5, atol=1e-6)
