@@ -11,7 +11,9 @@ record to `--output`.
     python -m benchmarks.recipe --problem two_moons --seeds 0 1 2 --set gradient_penalty=0
 
 `--set name=value` overrides one `wrap` argument (a Python literal), to
-compare a candidate default with the current one in the same run.
+compare a candidate default with the current one in the same run;
+`--epochs` shortens a problem's budget for a quick look. The runs behind
+docs/beyond_fashion_mnist.md are in `reproduction/results/recipe/`.
 
 Problems:
 
@@ -50,7 +52,9 @@ import keras_duq
 from keras_duq import evaluation
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CLINC150 = os.path.join(HERE, "..", "..", "shared", "data", "clinc150", "data_full.json")
+CLINC150 = os.path.join(
+    HERE, "..", "..", "shared", "data", "clinc150", "data_full.json"
+)
 
 
 def small_data(seed):
@@ -155,10 +159,12 @@ def two_moons(seed):
 PROBLEMS = {"small_data": small_data, "clinc150": clinc150, "two_moons": two_moons}
 
 
-def run(problem, seed, method, overrides):
+def run(problem, seed, method, overrides, epochs=None):
     keras.backend.clear_session()
     keras.utils.set_random_seed(seed)
     spec = PROBLEMS[problem](seed)
+    if epochs is not None:
+        spec["epochs"] = epochs
     x, y = spec["train"]
     x_test, y_test = spec["test"]
     keras.utils.set_random_seed(seed)
@@ -232,6 +238,9 @@ def main(argv=None):
     parser.add_argument("--softmax", action="store_true", help="Also a softmax head.")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE")
     parser.add_argument("--label", default="defaults")
+    parser.add_argument(
+        "--epochs", type=int, default=None, help="The problem's if unset."
+    )
     parser.add_argument("--output", default=None, help="JSONL file to append to.")
     args = parser.parse_args(argv)
     overrides = {}
@@ -241,7 +250,13 @@ def main(argv=None):
     methods = ["duq"] + (["softmax"] if args.softmax else [])
     for seed in args.seeds:
         for method in methods:
-            record = run(args.problem, seed, method, overrides if method == "duq" else {})
+            record = run(
+                args.problem,
+                seed,
+                method,
+                overrides if method == "duq" else {},
+                args.epochs,
+            )
             record.update(
                 label=args.label if method == "duq" else "softmax",
                 keras_duq=keras_duq.__version__,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 from typing import TYPE_CHECKING
@@ -387,6 +388,7 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
     # On TensorFlow, in-memory arrays reach Keras as the same batches in a
     # pipeline without tf.data's autotuning (`quiet_array_inputs`).
 
+    @functools.wraps(keras.Model.fit)
     def fit(self, *args: Any, **kwargs: Any) -> keras.callbacks.History:
         _check_data(self, super().fit, "fit", args, kwargs)
         if self.health_checks:
@@ -415,6 +417,7 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
             raise ValueError(_EMPTY_STREAM_MESSAGE.format(method="fit"))
         return history
 
+    @functools.wraps(keras.Model.evaluate)
     def evaluate(self, *args: Any, **kwargs: Any) -> Any:
         _check_data(self, super().evaluate, "evaluate", args, kwargs)
         if self.health_checks:
@@ -435,6 +438,7 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
             raise ValueError(_EMPTY_STREAM_MESSAGE.format(method="evaluate"))
         return results
 
+    @functools.wraps(keras.Model.predict)
     def predict(self, *args: Any, **kwargs: Any) -> np.ndarray:
         _check_data(self, super().predict, "predict", args, kwargs)
         args, kwargs = _arguments_for(super().predict, "predict", args, kwargs)
@@ -449,16 +453,19 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
             _health.check_predictions(self, kernel_values)
         return kernel_values
 
+    @functools.wraps(keras.Model.train_on_batch)
     def train_on_batch(self, x: Any, y: Any = None, *args: Any, **kwargs: Any) -> Any:
         _data_checks.check_call_data(self, "fit", {"x": x, "y": y})
         with _failed_call_guard(self):
             return super().train_on_batch(x, y, *args, **kwargs)
 
+    @functools.wraps(keras.Model.test_on_batch)
     def test_on_batch(self, x: Any, y: Any = None, *args: Any, **kwargs: Any) -> Any:
         _data_checks.check_call_data(self, "evaluate", {"x": x, "y": y})
         with _failed_call_guard(self):
             return super().test_on_batch(x, y, *args, **kwargs)
 
+    @functools.wraps(keras.Model.predict_on_batch)
     def predict_on_batch(self, x: Any) -> Any:
         _data_checks.check_call_data(self, "predict", {"x": x})
         with _failed_call_guard(self):

@@ -71,6 +71,7 @@ def check_format_packages(format: str) -> None:
         return  # Keras reports an unknown format itself.
     backend = keras.backend.backend()
     modules = by_backend.get(backend, by_backend[None])
+
     def installed(name):
         try:
             return importlib.util.find_spec(name) is not None

@@ -14,6 +14,11 @@ DATA_DIR = SHARED_DIR / "data"
 # so it must be set before the first `import keras` of the test session.
 # `setdefault` keeps a KERAS_HOME chosen by whoever runs the tests.
 os.environ.setdefault("KERAS_HOME", str(DATA_DIR / "keras"))
+# TensorFlow's CPU kernels without oneDNN have no gradient of dilated
+# convolutions and no channels-first convolution, which the spectral
+# normalisation tests use; TensorFlow leaves oneDNN off by default on some
+# CPUs (AMD EPYC without AVX-512, for one). Read once, at TensorFlow's import.
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
 import pytest  # noqa: E402
 

@@ -244,7 +244,11 @@ def test_export_without_its_packages_names_the_extra(tmp_path, monkeypatch):
     find_spec = importlib.util.find_spec
 
     def without_onnx(name, *args):
-        return None if name.split(".")[0] in ("onnx", "tf2onnx") else find_spec(name, *args)
+        return (
+            None
+            if name.split(".")[0] in ("onnx", "tf2onnx")
+            else find_spec(name, *args)
+        )
 
     monkeypatch.setattr(importlib.util, "find_spec", without_onnx)
     model = _model()
@@ -252,7 +256,6 @@ def test_export_without_its_packages_names_the_extra(tmp_path, monkeypatch):
     with pytest.raises(ImportError, match=r'pip install "keras-duq\[export\]"'):
         model.export(str(path), format="onnx")
     assert not path.exists()
-
 
 
 def test_export_unknown_option_is_an_error(tmp_path):

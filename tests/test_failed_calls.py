@@ -47,9 +47,7 @@ def model():
 
 def _good(n, seed=0):
     rng = np.random.default_rng(seed)
-    return rng.normal(size=(n, FEATURES)).astype("float32"), rng.integers(
-        0, CLASSES, n
-    )
+    return rng.normal(size=(n, FEATURES)).astype("float32"), rng.integers(0, CLASSES, n)
 
 
 def _state(model):
@@ -130,9 +128,9 @@ def test_non_finite_inputs_predict_nan(model, rows, value):
 labels = st.one_of(
     st.integers(CLASSES, 1000).map(lambda v: ("int", v)),
     st.integers(-1000, -1).map(lambda v: ("int", v)),
-    st.floats(0.01, CLASSES - 0.01).filter(lambda v: v != int(v)).map(
-        lambda v: ("float", v)
-    ),
+    st.floats(0.01, CLASSES - 0.01)
+    .filter(lambda v: v != int(v))
+    .map(lambda v: ("float", v)),
     st.just(("float", float("nan"))),
 )
 
@@ -159,7 +157,9 @@ def test_bad_label_values(model, label, index, method):
 def test_bad_label_widths(model, width, method):
     x, y = _good(32)
     one_hot = np.eye(width, dtype="float32")[y % width]
-    _assert_rejected_unchanged(model, _methods(model, x, one_hot)[method], "label width")
+    _assert_rejected_unchanged(
+        model, _methods(model, x, one_hot)[method], "label width"
+    )
 
 
 @SETTINGS

@@ -163,6 +163,8 @@ def test_kernel_values_underflowing_in_inference_warn_in_evaluate_and_predict():
     (message,) = recorder.of(keras_duq.KernelUnderflowWarning)
     assert "inference mode (`evaluate`)" in message
     model = _model(length_scale=1e-4)
+    with _Recorder():
+        _fit(model, x[:4], y[:4])  # an untrained model's predictions warn of nothing
     with _Recorder() as recorder:
         # Out-of-distribution inputs (as `OODEvaluation` predicts them)
         # should get certainty 0: no warning.
@@ -332,6 +334,35 @@ def test_no_warning_before_the_warm_up():
     with _Recorder() as recorder:
         _fit(model, x, y, epochs=3)
     assert recorder.health == []
+
+
+def test_short_run_without_certainty_and_with_a_constant_penalty_warns():
+    # Too few steps for the warm-up, but the whole run ended with no
+    # certainty and a penalty without gradient: `fit` says so before it returns.
+    model = _model(**{**UNDERFLOWING, "gradient_penalty": 0.5})
+    x, y = _data(n=16)
+    with _Recorder() as recorder:
+        _fit(model, x, y, epochs=3)
+    messages = recorder.of(keras_duq.KernelUnderflowWarning)
+    assert len(messages) == 1 and "`fit` ended after 12 training steps" in messages[0]
+
+
+def test_an_untrained_model_predicts_without_warnings():
+    model = _model(**UNDERFLOWING)
+    x, _ = _data(n=16)
+    with _Recorder() as recorder:
+        model.predict(x, verbose=0)
+    assert recorder.health == []
+
+
+def test_evaluate_right_after_recomputing_statistics_does_not_warn_about_them():
+    model = _model(layers=[keras.layers.BatchNormalization()])
+    x, y = _data(n=256, scale=10.0, shift=5.0)
+    _fit(model, x[:32], y[:32], batch_size=16)
+    keras_duq.recompute_batch_norm_statistics(model, x[:128])
+    with _Recorder() as recorder:
+        model.evaluate(x, y, verbose=0)
+    assert recorder.of(keras_duq.BatchNormStatisticsWarning) == []
 
 
 # ------------------------------------------------------------ the warnings

@@ -36,13 +36,21 @@ def train(callbacks):
     model = make_model(health_checks=False)
     x, y = data(n=192)
     model.fit(
-        x, y, batch_size=32, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=callbacks
+        x,
+        y,
+        batch_size=32,
+        epochs=EPOCHS,
+        shuffle=False,
+        verbose=0,
+        callbacks=callbacks,
     )
     return model
 
 
 def save(model, path):
-    arrays = {f"v{i}": keras.ops.convert_to_numpy(v) for i, v in enumerate(model.weights)}
+    arrays = {
+        f"v{i}": keras.ops.convert_to_numpy(v) for i, v in enumerate(model.weights)
+    }
     arrays["iterations"] = keras.ops.convert_to_numpy(model.optimizer.iterations)
     np.savez(path, **arrays)
 
