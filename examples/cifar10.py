@@ -151,8 +151,7 @@ model = keras_duq.wrap(
     length_scale=0.1,
     momentum=0.999,
     gradient_penalty=0.5,
-    projection_learning_rate=1.0,  # W learns at the optimizer's rate, as in the paper
-    categorical_cross_entropy_weight=0.0,  # the paper's loss
+    **keras_duq.PAPER_SETTINGS,  # the paper's loss, W at the optimizer's rate
 )
 steps = epochs * int(train.cardinality())
 schedule = keras.optimizers.schedules.PiecewiseConstantDecay(

@@ -99,8 +99,7 @@ model = keras_duq.wrap(
     length_scale=0.1,
     momentum=0.999,
     gradient_penalty=0.05,
-    projection_learning_rate=1.0,  # W learns at the optimizer's rate, as in the paper
-    categorical_cross_entropy_weight=0.0,  # the paper's loss
+    **keras_duq.PAPER_SETTINGS,  # the paper's loss, W at the optimizer's rate
 )
 
 # SGD as in the paper: learning rate 0.05, divided by 5 after a third and after

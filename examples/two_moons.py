@@ -127,8 +127,7 @@ def train(backbone, gradient_penalty):
         momentum=0.99,
         kernel_initializer=keras.initializers.RandomNormal(stddev=1.0),
         gradient_penalty=gradient_penalty,
-        projection_learning_rate=1.0,  # as in the paper
-        categorical_cross_entropy_weight=0.0,  # the paper's loss
+        **keras_duq.PAPER_SETTINGS,  # the paper's loss, W at the optimizer's rate
     )
     model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9))
     model.fit(x_train, y_train, batch_size=64, epochs=epochs, verbose=0)

@@ -62,6 +62,7 @@ from keras_duq._health import KernelUnderflowWarning
 from keras_duq._health import recompute_batch_norm_statistics
 from keras_duq._spectral_normalization import SpectralNormalization
 from keras_duq._spectral_normalization import spectral_normalize
+from keras_duq._wrap import PAPER_SETTINGS
 from keras_duq._wrap import wrap
 
 __version__ = "0.2.0"
@@ -76,6 +77,7 @@ __all__ = [
     "FeatureDropoutWarning",
     "InputScaleWarning",
     "KernelUnderflowWarning",
+    "PAPER_SETTINGS",
     "SpectralNormalization",
     "recompute_batch_norm_statistics",
     "spectral_normalize",

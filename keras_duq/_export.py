@@ -243,10 +243,11 @@ def export_saved_model(
 
     @tf.function(input_signature=input_signature, autograph=False)
     def serve(inputs: Any) -> dict[str, tf.Tensor]:
-        return {
+        outputs = {
             name: tf.cast(value, dtypes.get(name, tf.float32))
             for name, value in converted(inputs).items()
         }
+        return _refuse_non_finite_rows(inputs, outputs)
 
     serve.get_concrete_function()
     archive = keras.export.ExportArchive()
@@ -260,6 +261,40 @@ def export_saved_model(
     else:  # Keras < 3.6 takes no `verbose` and always prints the summary.
         with contextlib.redirect_stdout(io.StringIO()):
             archive.write_out(filepath)
+
+
+def _refuse_non_finite_rows(inputs: Any, outputs: dict[str, Any]) -> dict[str, Any]:
+    """NaN outputs and `accept` False for rows whose float inputs are not finite.
+
+    `serving_outputs` does the same with Keras ops; this repeats it with
+    TensorFlow's own kernels around the converted function, because XLA
+    (which runs a function converted from JAX) may assume finite values and
+    drop the check.
+    """
+    import tensorflow as tf
+
+    checks = [
+        tf.reduce_all(tf.math.is_finite(tf.reshape(t, (tf.shape(t)[0], -1))), axis=1)
+        for t in tf.nest.flatten(inputs)
+        if t.dtype.is_floating
+    ]
+    if not checks:
+        return outputs
+    finite = tf.reduce_all(tf.stack(checks), axis=0)
+    masked = {}
+    for name, value in outputs.items():
+        if value.dtype == tf.bool:
+            masked[name] = tf.logical_and(value, finite)
+        elif value.dtype.is_floating:
+            shape = tf.concat(
+                [tf.shape(finite), tf.ones([tf.rank(value) - 1], tf.int32)], 0
+            )
+            masked[name] = tf.where(
+                tf.reshape(finite, shape), value, tf.constant(float("nan"), value.dtype)
+            )
+        else:
+            masked[name] = value
+    return masked
 
 
 def serving_input_signature(inputs: Any, spec_type: str = "tf") -> Any:

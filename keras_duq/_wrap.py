@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import types
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,7 +13,19 @@ from keras_duq._duq_model import DEFAULT_WEIGHT_DECAY
 from keras_duq._duq_model import DUQModel
 from keras_duq._duq_output import DEFAULT_KERNEL_INITIALIZER
 from keras_duq._duq_output import DEFAULT_PROJECTION_LEARNING_RATE
+from keras_duq._duq_output import PAPER_PROJECTION_LEARNING_RATE
 from keras_duq._duq_output import DUQOutput
+
+# The paper's method where the library's defaults differ from it: the loss
+# without the categorical term, and `W` learning at the optimizer's rate. The
+# paper's problem-specific values (length scale, penalty weight, centroid size)
+# stay arguments of their own.
+PAPER_SETTINGS = types.MappingProxyType(
+    {
+        "categorical_cross_entropy_weight": 0.0,
+        "projection_learning_rate": PAPER_PROJECTION_LEARNING_RATE,
+    }
+)
 
 
 def wrap(

@@ -190,8 +190,7 @@ def build_model(
         penalty_interval=penalty_interval,
         weight_decay=1e-4,
         bias_correction=bias_correction,
-        projection_learning_rate=1.0,
-        categorical_cross_entropy_weight=0.0,
+        **keras_duq.PAPER_SETTINGS,  # the paper's loss, W at the optimizer's rate
     )
     model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9))
     return model

@@ -168,4 +168,5 @@ def test_moved_names_still_work_with_a_deprecation_warning():
         "spectral_normalize",
         "InputScaleWarning",
         "FeatureDropoutWarning",
+        "PAPER_SETTINGS",
     }

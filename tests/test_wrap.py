@@ -101,6 +101,15 @@ def test_categorical_weight_defaults_higher_for_features_out_of_dropout():
     assert config["categorical_cross_entropy_weight"] == 30.0
 
 
+def test_paper_settings_give_the_papers_loss_and_projection_rate():
+    backbone = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8)])
+    model = keras_duq.wrap(backbone, num_classes=3, **keras_duq.PAPER_SETTINGS)
+    assert model.categorical_cross_entropy_weight == 0.0
+    assert model.duq_output.projection_learning_rate == 1.0
+    with pytest.raises(TypeError):
+        keras_duq.PAPER_SETTINGS["projection_learning_rate"] = 0.5  # read-only
+
+
 def test_subclassed_backbone_needs_input_shape():
     class Backbone(keras.Model):
         def __init__(self, **kwargs):
