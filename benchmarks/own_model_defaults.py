@@ -705,6 +705,9 @@ def main(argv=None):
         "categorical_cross_entropy_weight": (
             model.categorical_cross_entropy_weight if args.head == "duq" else None
         ),
+        # Records without it were made when the weight was divided by the
+        # number of classes (10 here): weight 10 then is weight 1 now.
+        "categorical_cross_entropy_per_example": True,
         "seed": args.seed,
         "train_subset": args.train_subset,
         "batch_size": args.batch_size,

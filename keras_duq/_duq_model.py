@@ -60,19 +60,19 @@ _BackendTrainer = _backend_trainer()
 
 DEFAULT_GRADIENT_PENALTY = 0.1
 DEFAULT_WEIGHT_DECAY = 1e-4
-DEFAULT_CATEGORICAL_CROSS_ENTROPY_WEIGHT = 10.0
+DEFAULT_CATEGORICAL_CROSS_ENTROPY_WEIGHT = 1.0
 
 
 def default_categorical_cross_entropy_weight(feature_extractor: keras.Layer) -> float:
     """The categorical term's weight when the user gives none.
 
-    `10 (1 + 2 p / (1 - p))` for features that come straight out of dropout
-    at rate `p` (10 without). `p / (1 - p)` is the dropout's variance
+    `1 + 2 p / (1 - p)` for features that come straight out of dropout at
+    rate `p` (1 without). `p / (1 - p)` is the dropout's variance
     relative to each feature's square; the binary cross-entropy's own-class
     term grows with it through `W`, which can pull `W` smaller at the cost
     of the classes' separation (the explanation in docs/own_model.md,
     "Dropout right before the head"). The factor 2 comes from measurement
-    ("The categorical weight behind dropout"): 30 at rate 0.5, 15 at 0.2.
+    ("The categorical weight behind dropout"): 3 at rate 0.5, 1.5 at 0.2.
     """
     rate = float(getattr(_health.feature_noise_layer(feature_extractor), "rate", 0))
     if not 0.0 < rate < 1.0:  # no dropout, or (rate 1) no features to weigh
@@ -200,24 +200,20 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
             code: a kernel value far below `1e-12`, as every one is at
             initialisation, then gets almost no gradient until the centroids
             have moved to the class means. The loss value is the same.
-        categorical_cross_entropy_weight: float >= 0 or `None`, weight of
-            a categorical cross-entropy added to the paper's binary
-            cross-entropy: softmax over minus each class's distance
-            `sqrt(d_c) / length_scale`, weighed against the binary
-            cross-entropy summed over classes (both are divided by the
-            number of classes). It pushes a misclassified example away from
-            the centroid it is nearest to, which the binary cross-entropy
-            barely does while that kernel value is small. `None` (default)
-            takes `10.0`, or `10 * (1 + 2 * p / (1 - p))` when the features
-            come straight out of a dropout layer of rate `p` (through
-            `Flatten`, `Reshape` or `Permute` at most): 30 at `p = 0.5`.
-            On the backbones of docs/own_model.md, after 3 epochs of Adam,
-            10 gave more accuracy than the paper's loss and than `3.0`,
-            with AUROC against MNIST as high or higher on most; with SGD at
-            0.05 and momentum 0.9, 30 cost accuracy on clean features, and
-            behind dropout at rate 0.5 it gained accuracy with either
-            optimizer. The weight used is saved with the model. `0` is the
-            paper's loss (its recipes in `examples/` pass it).
+        categorical_cross_entropy_weight: float >= 0 or `None`, weight per
+            example of a categorical cross-entropy added to the paper's
+            binary cross-entropy (which is averaged over classes): softmax
+            over minus each class's distance `sqrt(d_c) / length_scale`. It
+            pushes a misclassified example away from the centroid it is
+            nearest to, which the binary cross-entropy barely does while
+            that kernel value is small; its weight does not depend on the
+            number of classes. `None` (default) takes `1.0`, or
+            `1 + 2 * p / (1 - p)` when the features come straight out of a
+            dropout layer of rate `p` (through `Flatten`, `Reshape` or
+            `Permute` at most): 3 at `p = 0.5`. The measurements behind it
+            are in docs/own_model.md and docs/beyond_fashion_mnist.md. The
+            weight used is saved with the model. `0` is the paper's loss
+            (`keras_duq.PAPER_SETTINGS`).
         health_checks: bool, whether `fit`, `evaluate` and `predict` watch
             DUQ's failure modes (kernel values that underflow, unsettled
             BatchNormalization statistics, centroids that never received
@@ -624,6 +620,7 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
             "weight_decay": self.weight_decay,
             "bce_epsilon": self.bce_epsilon,
             "categorical_cross_entropy_weight": self.categorical_cross_entropy_weight,
+            "categorical_cross_entropy_per_example": True,
             "health_checks": self.health_checks,
             "penalty_input": self.penalty_input,
         }
@@ -634,12 +631,16 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
     ) -> DUQModel:
         # Files saved before the categorical term existed trained without it.
         config = {"categorical_cross_entropy_weight": 0.0, **config}
+        per_example = config.pop("categorical_cross_entropy_per_example", False)
         feature_extractor = keras.saving.deserialize_keras_object(
             config.pop("feature_extractor"), custom_objects=custom_objects
         )
         duq_output = keras.saving.deserialize_keras_object(
             config.pop("duq_output"), custom_objects=custom_objects
         )
+        if not per_example:
+            # Saved when the weight was divided by the number of classes.
+            config["categorical_cross_entropy_weight"] /= duq_output.num_classes
         outputs = duq_output(feature_extractor.output)
         return cls(feature_extractor.input, outputs, **config)
 

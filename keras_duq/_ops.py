@@ -159,12 +159,13 @@ def duq_loss(
 ) -> tuple[Tensor, Tensor]:
     """The batch loss and its BCE part.
 
-    Per example: `bce + categorical_cross_entropy_weight * cce / num_classes
-    + penalty_weight * penalty`, `bce` averaged over classes and `cce` from
-    `categorical_cross_entropy`. Dividing `cce` by the number of classes, as
-    the BCE summed over classes is, weighs it against that sum, whatever the
-    number of classes. Keras's `"sum_over_batch_size"` reduction: weighted
-    per-example losses are summed and divided by the number of examples.
+    Per example: `bce + categorical_cross_entropy_weight * cce +
+    penalty_weight * penalty`, `bce` averaged over classes and `cce` from
+    `categorical_cross_entropy`. `cce` is one term per example (a softmax
+    over the classes), so its weight is per example too: it does not shrink
+    as the number of classes grows, as the positive-class share of `bce`
+    does. Keras's `"sum_over_batch_size"` reduction: weighted per-example
+    losses are summed and divided by the number of examples.
 
     Args:
         log_kernel: `(batch, num_classes)` from `log_kernel_values`.
@@ -182,8 +183,7 @@ def duq_loss(
     bce = binary_cross_entropy(log_kernel, labels_one_hot, bce_epsilon)
     per_example = bce
     if categorical_cross_entropy_weight > 0:
-        num_classes = ops.shape(log_kernel)[-1]
-        per_example = per_example + (categorical_cross_entropy_weight / num_classes) * (
+        per_example = per_example + categorical_cross_entropy_weight * (
             categorical_cross_entropy(log_kernel, labels_one_hot)
         )
     if penalty is not None:

@@ -112,11 +112,12 @@ def wrap(
         bce_epsilon: float >= 0, floor of `K (1 - K)` in the cross-entropy
             gradient's denominator; `0` (default) is the exact gradient,
             `1e-12` that of the paper's PyTorch code (see `DUQModel`).
-        categorical_cross_entropy_weight: float >= 0 or `None`, weight of
-            a categorical cross-entropy over the classes' distances added
-            to the paper's loss (see `DUQModel`); `0` is the paper's loss.
-            `None` (default) takes `10.0`, or more when the backbone's
-            features come straight out of a dropout layer (30 at rate 0.5).
+        categorical_cross_entropy_weight: float >= 0 or `None`, weight per
+            example of a categorical cross-entropy over the classes'
+            distances added to the paper's loss (see `DUQModel`); `0` is the
+            paper's loss. `None` (default) takes `1.0`, or more when the
+            backbone's features come straight out of a dropout layer (3 at
+            rate 0.5).
         trainable_length_scale: bool, learn one length scale per class, at
             the optimizer's full rate (see `DUQOutput`: with SGD at 0.05
             they grew too fast). Defaults to `False`.

@@ -100,15 +100,14 @@ def _reference_loss(model, x, y, sample_weight=None):
     one_hot = np.eye(head.num_classes)[y]
     bce = -np.mean(one_hot * np.log(k) + (1 - one_hot) * np.log(1 - k), axis=1)
     # Cross-entropy over minus the distances in length scales, sqrt(-2 log K)
-    # (a floor of 1e-6 under the root), weighed against the BCE summed over
-    # classes.
+    # (a floor of 1e-6 under the root), weighed per example.
     logits = -np.sqrt(-2.0 * np.log(k) + 1e-6)
     logits -= logits.max(axis=1, keepdims=True)
     log_softmax = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
     cce = -np.sum(one_hot * log_softmax, axis=1)
     per_example = (
         bce
-        + model.categorical_cross_entropy_weight * cce / head.num_classes
+        + model.categorical_cross_entropy_weight * cce
         + model.gradient_penalty * (norm.numpy() - 1) ** 2
     )
     if sample_weight is not None:
@@ -580,6 +579,13 @@ def test_keras_save_and_load_round_trip(tmp_path):
     del config["categorical_cross_entropy_weight"]
     old = keras_duq.DUQModel.from_config(config)
     assert old.categorical_cross_entropy_weight == 0.0
+    # One saved when the weight was divided by the number of classes: the
+    # same loss, as a weight per example.
+    config = model.get_config()
+    del config["categorical_cross_entropy_per_example"]
+    config["categorical_cross_entropy_weight"] = 10.0
+    old = keras_duq.DUQModel.from_config(config)
+    assert old.categorical_cross_entropy_weight == 10.0 / model.num_classes
     # Training continues exactly like the original (same optimizer state).
     model.fit(x, y, epochs=1, batch_size=16, shuffle=False, verbose=0)
     restored.fit(x, y, epochs=1, batch_size=16, shuffle=False, verbose=0)

@@ -146,9 +146,7 @@ def test_duq_loss_weighs_the_categorical_term_against_the_summed_bce():
     loss, bce_part = _ops.duq_loss(
         log_kernel, labels, penalty, 0.5, categorical_cross_entropy_weight=3.0
     )
-    expected = np.mean(
-        (4 * bce + 3.0 * cce) / 4 + 0.5 * keras.ops.convert_to_numpy(penalty)
-    )
+    expected = np.mean(bce + 3.0 * cce + 0.5 * keras.ops.convert_to_numpy(penalty))
     np.testing.assert_allclose(keras.ops.convert_to_numpy(loss), expected, rtol=1e-5)
     np.testing.assert_allclose(keras.ops.convert_to_numpy(bce_part), np.mean(bce))
 
@@ -180,11 +178,11 @@ def test_categorical_term_pushes_from_the_nearest_wrong_centroid_with_bounded_fo
     for scale in (10.0, 100.0):
         bce_only = feature_gradient(0.0, scale)
         np.testing.assert_allclose(bce_only, 2 * scale / 3, rtol=1e-5)
-        # The term adds 3 / 3 times d/dx (r_0 - r_1) = 1 + 1 (r_c = |x - e_c|,
+        # The term at weight 1 adds d/dx (r_0 - r_1) = 1 + 1 (r_c = |x - e_c|,
         # p_1 ~ 1): a pull towards class 0 and a push away from class 1 of
         # size 1 each, at either scale.
         np.testing.assert_allclose(
-            feature_gradient(3.0, scale) - bce_only, 2.0, rtol=1e-4
+            feature_gradient(1.0, scale) - bce_only, 2.0, rtol=1e-4
         )
 
 

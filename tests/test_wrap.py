@@ -87,18 +87,18 @@ def test_categorical_weight_defaults_higher_for_features_out_of_dropout():
         model = keras_duq.wrap(backbone, num_classes=2, **kwargs)
         return model.categorical_cross_entropy_weight
 
-    assert weight() == 10.0
-    # 10 (1 + 2 p / (1 - p)) for dropout at rate p.
-    assert weight(keras.layers.Dropout(0.5), keras.layers.Flatten()) == 30.0
-    assert weight(keras.layers.Dropout(0.2)) == pytest.approx(15.0)
-    assert weight(keras.layers.Dropout(1.0)) == 10.0  # features always zero
+    assert weight() == 1.0
+    # 1 + 2 p / (1 - p) for dropout at rate p.
+    assert weight(keras.layers.Dropout(0.5), keras.layers.Flatten()) == 3.0
+    assert weight(keras.layers.Dropout(0.2)) == pytest.approx(1.5)
+    assert weight(keras.layers.Dropout(1.0)) == 1.0  # features always zero
     # A dropout that feeds a Dense layer leaves the features noiseless.
-    assert weight(keras.layers.Dropout(0.5), keras.layers.Dense(4)) == 10.0
+    assert weight(keras.layers.Dropout(0.5), keras.layers.Dense(4)) == 1.0
     # A weight the user gives is kept, and the one used is saved.
     assert weight(keras.layers.Dropout(0.5), categorical_cross_entropy_weight=0) == 0
     backbone = keras.Sequential([keras.Input((5,)), keras.layers.Dropout(0.5)])
     config = keras_duq.wrap(backbone, num_classes=2).get_config()
-    assert config["categorical_cross_entropy_weight"] == 30.0
+    assert config["categorical_cross_entropy_weight"] == 3.0
 
 
 def test_paper_settings_give_the_papers_loss_and_projection_rate():
