@@ -17,11 +17,6 @@ from keras_duq import _validation
 REJECTED = (ValueError, tf.errors.InvalidArgumentError)
 
 
-# On JAX, an error raised while Keras traces the step leaves the model's
-# variables without values (Keras's JAX trainer holds them outside).
-_JAX_TRACE_ERROR = pytest.mark.xfail(
-    keras.backend.backend() == "jax", reason="JAX: trace-time error", strict=True
-)
 
 
 def _data(n=64, features=4, classes=3, seed=0):
@@ -978,10 +973,10 @@ def test_non_numeric_labels_get_a_clear_error(route):
         (lambda y: y + 3, REJECTED),
         (lambda y: y - 1, REJECTED),
         pytest.param(
-            lambda y: np.eye(5, dtype="float32")[y], ValueError, marks=_JAX_TRACE_ERROR
+            lambda y: np.eye(5, dtype="float32")[y], ValueError
         ),
         pytest.param(
-            lambda y: np.zeros((len(y), 2, 2)), ValueError, marks=_JAX_TRACE_ERROR
+            lambda y: np.zeros((len(y), 2, 2)), ValueError
         ),
     ],
     ids=["too_large", "negative", "wrong_one_hot_width", "wrong_rank"],
