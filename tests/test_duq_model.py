@@ -17,8 +17,6 @@ from keras_duq import _validation
 REJECTED = (ValueError, tf.errors.InvalidArgumentError)
 
 
-
-
 def _data(n=64, features=4, classes=3, seed=0):
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(n, features)).astype("float32")
@@ -972,12 +970,8 @@ def test_non_numeric_labels_get_a_clear_error(route):
     [
         (lambda y: y + 3, REJECTED),
         (lambda y: y - 1, REJECTED),
-        pytest.param(
-            lambda y: np.eye(5, dtype="float32")[y], ValueError
-        ),
-        pytest.param(
-            lambda y: np.zeros((len(y), 2, 2)), ValueError
-        ),
+        pytest.param(lambda y: np.eye(5, dtype="float32")[y], ValueError),
+        pytest.param(lambda y: np.zeros((len(y), 2, 2)), ValueError),
     ],
     ids=["too_large", "negative", "wrong_one_hot_width", "wrong_rank"],
 )
