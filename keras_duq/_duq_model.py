@@ -516,6 +516,7 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
         input_signature: Any = None,
         certainty_threshold: float | None = None,
         calibrator: CertaintyCalibrator | None = None,
+        top_k: int | None = None,
         **kwargs: Any,
     ) -> None:
         """Exports a SavedModel for TF Serving (Keras's `Model.export`).
@@ -534,6 +535,12 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
         - `probability_correct`: `(batch,)` float32, the calibrator's
           probability that the prediction is correct, only with
           `calibrator`.
+
+        With `top_k`, `kernel_values` is replaced by `top_k_classes`
+        `(batch, top_k)` int64 and `top_k_kernel_values` `(batch, top_k)`
+        float32, the classes of the largest kernel values, largest first:
+        at thousands of classes a response then holds `top_k` values per
+        example, not one per class.
 
         The same signature is written from the TensorFlow and the JAX
         backend (JAX through `jax2tf`). Loading it needs only TensorFlow
@@ -569,6 +576,9 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
             calibrator: optional fitted
                 `keras_duq.evaluation.CertaintyCalibrator`; adds the
                 `probability_correct` output.
+            top_k: optional int in `[1, num_classes]`: serve the `top_k`
+                largest kernel values and their classes instead of every
+                kernel value.
             **kwargs: on JAX, Keras's `is_static` and `jax2tf_kwargs`;
                 for other formats, passed to `keras.Model.export`. Any
                 other keyword raises a `ValueError`.
@@ -576,7 +586,9 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
         from keras_duq import _export
 
         if format != "tf_saved_model":
-            _export.check_no_serving_options(format, certainty_threshold, calibrator)
+            _export.check_no_serving_options(
+                format, certainty_threshold, calibrator, top_k
+            )
             _export.check_format_packages(format)
             if input_signature is None:
                 # Keras infers no signature for a model subclass until called.
@@ -592,7 +604,9 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
                 input_signature=input_signature,
                 **kwargs,
             )
-        _export.check_export_options(certainty_threshold, calibrator, kwargs)
+        _export.check_export_options(
+            certainty_threshold, calibrator, kwargs, top_k, self.duq_output.num_classes
+        )
         _export.check_format_packages(format)
         _export.export_saved_model(
             self,
@@ -601,6 +615,7 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
             input_signature,
             certainty_threshold=certainty_threshold,
             calibrator=calibrator,
+            top_k=top_k,
             **kwargs,
         )
 

@@ -24,6 +24,14 @@ MAX_DEFAULT_CENTROID_DIMS = 256
 # features hold (docs/own_model.md). The paper trains `W` at the full rate.
 DEFAULT_PROJECTION_LEARNING_RATE = 0.1
 PAPER_PROJECTION_LEARNING_RATE = 1.0
+HEADS = ("auto", "per_class", "shared")
+# `head="auto"` keeps the paper's per-class head up to this many projection
+# values (`features * centroid_dims * num_classes`; 64 MB of float32, three
+# times that with Adam's moments) and takes the shared head above it. The
+# per-class head's training step grows with this product (docs/many_classes.md:
+# 5.6x a softmax step at 5.2M values, 36x at 52M); the shared head's holds
+# `features * centroid_dims` values whatever the number of classes.
+MAX_PER_CLASS_HEAD_VALUES = 2**24
 
 
 @keras.saving.register_keras_serializable(package="keras_duq")
@@ -35,6 +43,13 @@ class DUQOutput(keras.layers.Layer):
     the RBF kernel value between the projected features and the centroid:
 
     `K_c = exp(-mean_over_centroid_dims((W_c f(x) - e_c)^2) / (2 length_scale^2))`
+
+    With `head="shared"` all classes share one projection `W` and differ
+    only by their centroids, `K_c = exp(-mean((W f(x) - e_c)^2) / (2
+    length_scale^2))`: the head holds `features * centroid_dims` values
+    instead of `features * centroid_dims * num_classes`, for hundreds or
+    thousands of classes. `head="auto"` (default) builds the per-class head
+    up to `MAX_PER_CLASS_HEAD_VALUES` (2**24) values, the shared one above.
 
     Every value lies in `[0, 1]`. The prediction is `argmax_c K_c` and the
     certainty is `max_c K_c`: an input far from every centroid has low
@@ -130,6 +145,14 @@ class DUQOutput(keras.layers.Layer):
             everywhere. `True` makes each centroid the momentum-weighted
             average of its class's embeddings from the first batch that
             contains the class on.
+        head: `"auto"` (default), `"per_class"` or `"shared"`. The paper's
+            `"per_class"` head learns one projection `W_c` per class
+            (`features * centroid_dims * num_classes` values); `"shared"`
+            learns one `W` for all classes (`features * centroid_dims`
+            values), with one centroid per class in its space. `"auto"`
+            takes the per-class head while it has at most 2**24 values
+            (16.8M; e.g. 10 classes on 2048 features, 150 on 128) and the
+            shared head above (docs/many_classes.md).
         **kwargs: base layer keyword arguments such as `name`. The layer's
             dtype is always float32.
 
@@ -155,6 +178,7 @@ class DUQOutput(keras.layers.Layer):
         bias_correction: bool = False,
         trainable_projection: bool = True,
         projection_learning_rate: float = DEFAULT_PROJECTION_LEARNING_RATE,
+        head: str = "auto",
         **kwargs: Any,
     ) -> None:
         dtype = kwargs.pop("dtype", None)
@@ -192,6 +216,15 @@ class DUQOutput(keras.layers.Layer):
                 "fixed, pass `trainable_projection=False`). "
                 f"Received: `projection_learning_rate={projection_learning_rate!r}`"
             )
+        if head not in HEADS:
+            raise ValueError(
+                f"Unknown `head`. Expected one of {HEADS}: 'per_class' is the "
+                "paper's head (one projection per class), 'shared' one "
+                "projection for all classes (for many classes), 'auto' the "
+                f"first up to {MAX_PER_CLASS_HEAD_VALUES:,} projection values. "
+                f"Received: `head={head!r}`"
+            )
+        self.head = head
         self.num_classes = num_classes
         self.centroid_dims = centroid_dims
         self.length_scale = float(length_scale)
@@ -215,6 +248,7 @@ class DUQOutput(keras.layers.Layer):
         features = input_shape[-1]
         dims = self.centroid_dims or min(features, MAX_DEFAULT_CENTROID_DIMS)
         self._resolved_centroid_dims = dims
+        self._resolved_head = resolve_head(self.head, features, dims, self.num_classes)
         rate = self.projection_learning_rate
 
         def stored_initial_value(shape, dtype=None):
@@ -222,7 +256,7 @@ class DUQOutput(keras.layers.Layer):
 
         self.kernel = self.add_weight(
             name="kernel",
-            shape=(features, dims * self.num_classes),
+            shape=(features, dims * self._projections),
             initializer=self.kernel_initializer
             if rate == 1.0
             else stored_initial_value,
@@ -258,13 +292,25 @@ class DUQOutput(keras.layers.Layer):
         self.input_spec = keras.layers.InputSpec(ndim=2, axes={-1: features})
 
     @property
+    def _projections(self) -> int:
+        return self.num_classes if self._resolved_head == "per_class" else 1
+
+    @property
+    def resolved_head(self) -> str:
+        """`"per_class"` or `"shared"`: the head built (`head="auto"` chooses at build)."""
+        return getattr(self, "_resolved_head", self.head)
+
+    @property
     def centroids(self) -> Tensor:
         """The current centroids `e_c`, shape `(centroid_dims, num_classes)`."""
         return _ops.centroids(self.centroid_counts, self.centroid_sums)
 
     @property
     def projection(self) -> Tensor:
-        """`W`, shape `(features, centroid_dims * num_classes)`: `kernel` times the rate.
+        """`W`: `kernel` times the rate.
+
+        Shape `(features, centroid_dims * num_classes)` for the per-class
+        head, `(features, centroid_dims)` for the shared one.
 
         Its value is `projection_learning_rate * kernel`, but the gradient
         reaches `kernel` unscaled, so an optimizer's step on `kernel` moves
@@ -273,9 +319,14 @@ class DUQOutput(keras.layers.Layer):
         return _ops.rate_scaled(self.kernel, self.projection_learning_rate)
 
     def embed(self, features: Tensor) -> Tensor:
-        """Projects features with every `W_c`: `(batch, centroid_dims, classes)`."""
+        """Projects features with every `W_c`: `(batch, centroid_dims, classes)`.
+
+        The shared head has one projection: `(batch, centroid_dims)`.
+        """
         features = ops.cast(features, "float32")
         projected = ops.matmul(features, self.projection)
+        if self._resolved_head == "shared":
+            return projected
         return ops.reshape(
             projected, (-1, self._resolved_centroid_dims, self.num_classes)
         )
@@ -335,6 +386,7 @@ class DUQOutput(keras.layers.Layer):
                 "trainable_projection": self.trainable_projection,
                 "projection_learning_rate": self.projection_learning_rate,
                 "bias_correction": self.bias_correction,
+                "head": self.resolved_head,
             }
         )
         return config
@@ -344,5 +396,18 @@ class DUQOutput(keras.layers.Layer):
         # A config saved before `projection_learning_rate` existed describes
         # a layer that trained `W` at the optimizer's rate, and whose
         # `kernel` holds `W` itself.
-        config = {"projection_learning_rate": PAPER_PROJECTION_LEARNING_RATE, **config}
+        # One saved before `head` existed has the per-class head.
+        config = {
+            "projection_learning_rate": PAPER_PROJECTION_LEARNING_RATE,
+            "head": "per_class",
+            **config,
+        }
         return super().from_config(config)
+
+
+def resolve_head(head: str, features: int, centroid_dims: int, num_classes: int) -> str:
+    """`"per_class"` or `"shared"`: what `head` builds on these sizes."""
+    if head != "auto":
+        return head
+    values = features * centroid_dims * num_classes
+    return "per_class" if values <= MAX_PER_CLASS_HEAD_VALUES else "shared"

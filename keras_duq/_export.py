@@ -89,7 +89,11 @@ def check_format_packages(format: str) -> None:
 
 
 def check_export_options(
-    certainty_threshold: Any, calibrator: Any, options: dict[str, Any]
+    certainty_threshold: Any,
+    calibrator: Any,
+    options: dict[str, Any],
+    top_k: Any = None,
+    num_classes: int | None = None,
 ) -> None:
     """Raises a `ValueError` for an option `export_saved_model` cannot use.
 
@@ -130,6 +134,16 @@ def check_export_options(
             "validation certainty and correctness first), or `None`. "
             f"Received: `calibrator={calibrator!r}`"
         )
+    if top_k is not None and (
+        isinstance(top_k, bool)
+        or not isinstance(top_k, int)
+        or not 1 <= top_k <= (num_classes or top_k)
+    ):
+        raise ValueError(
+            f"Expected `top_k` to be an int in [1, {num_classes}] (the number "
+            "of classes served per example), or `None` to serve every kernel "
+            f"value. Received: `top_k={top_k!r}`"
+        )
     if backend not in SAVED_MODEL_BACKENDS:
         raise ValueError(
             _TORCH_MESSAGE
@@ -140,7 +154,7 @@ def check_export_options(
 
 
 def check_no_serving_options(
-    format: str, certainty_threshold: Any, calibrator: Any
+    format: str, certainty_threshold: Any, calibrator: Any, top_k: Any = None
 ) -> None:
     """Raises a `ValueError` when a DUQ serving option meets another format."""
     given = {
@@ -148,6 +162,7 @@ def check_no_serving_options(
         for name, value in (
             ("certainty_threshold", certainty_threshold),
             ("calibrator", calibrator),
+            ("top_k", top_k),
         )
         if value is not None
     }
@@ -167,13 +182,14 @@ def serving_outputs(
     inputs: Any,
     certainty_threshold: float | None = None,
     calibrator: CertaintyCalibrator | None = None,
+    top_k: int | None = None,
 ) -> dict[str, Tensor]:
     """The serving signature's outputs, with `keras.ops` (any backend).
 
-    Returns a dict: `kernel_values`, `predictions` (argmax of the log
-    kernel values), `certainty` (their max), `accept` when
-    `certainty_threshold` is given and `probability_correct` when
-    `calibrator` is.
+    Returns a dict: `kernel_values` (or, with `top_k`, `top_k_classes` and
+    `top_k_kernel_values`), `predictions` (argmax of the log kernel values),
+    `certainty` (their max), `accept` when `certainty_threshold` is given
+    and `probability_correct` when `calibrator` is.
     """
     features = model.feature_extractor(inputs, training=False)
     log_kernel = model.duq_output.log_kernel_values(features)
@@ -188,6 +204,10 @@ def serving_outputs(
         "predictions": ops.argmax(log_kernel, axis=-1),
         "certainty": certainty,
     }
+    if top_k is not None:
+        del outputs["kernel_values"]
+        top_log_kernel, outputs["top_k_classes"] = ops.top_k(log_kernel, top_k)
+        outputs["top_k_kernel_values"] = ops.exp(top_log_kernel)
     if certainty_threshold is not None:
         # The threshold is compared in float32, the certainty's dtype.
         outputs["accept"] = ops.greater_equal(
@@ -205,6 +225,7 @@ def export_saved_model(
     input_signature: list[Any] | None = None,
     certainty_threshold: float | None = None,
     calibrator: CertaintyCalibrator | None = None,
+    top_k: int | None = None,
     **options: Any,
 ) -> None:
     """Writes `model` as a SavedModel whose `serving_default` gives DUQ outputs.
@@ -229,7 +250,7 @@ def export_saved_model(
         )
 
     def outputs_fn(inputs: Any) -> dict[str, Tensor]:
-        return serving_outputs(model, inputs, certainty_threshold, calibrator)
+        return serving_outputs(model, inputs, certainty_threshold, calibrator, top_k)
 
     # This archive only converts `outputs_fn` to a `tf.function`; the
     # SavedModel is written by the second one, with the dtypes fixed.
@@ -239,7 +260,7 @@ def export_saved_model(
         "outputs", outputs_fn, input_signature, **options
     )
 
-    dtypes = {"predictions": tf.int64, "accept": tf.bool}
+    dtypes = {"predictions": tf.int64, "top_k_classes": tf.int64, "accept": tf.bool}
 
     @tf.function(input_signature=input_signature, autograph=False)
     def serve(inputs: Any) -> dict[str, tf.Tensor]:

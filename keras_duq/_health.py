@@ -507,20 +507,26 @@ def _check_batch_norm(model, comparison, where):
     )
 
 
-def _centroid_overlap(layer):
+def _centroid_overlap(layer, rows_per_chunk=1024):
     """`(kernel value, class, other)`: the largest kernel value of a class at another's centroid."""
     centroids = layer.centroids
     classes = layer.num_classes
-    # Row j holds centroid j in every class's slot: the distance of each
-    # class's centroid to centroid j, as the kernel measures an embedding.
-    embeddings = ops.repeat(ops.transpose(centroids)[:, :, None], classes, axis=2)
-    log_kernel = _ops.log_kernel_values(
-        _ops.squared_distances(embeddings, centroids), layer.length_scales
-    )
-    kernel = np.exp(_float64(log_kernel))
-    np.fill_diagonal(kernel, -1.0)
-    at, cls = np.unravel_index(np.argmax(kernel), kernel.shape)
-    return float(kernel[at, cls]), int(cls), int(at)
+    best = (-1.0, 0, 0)
+    # Centroid j measured by class c's kernel: every head compares all
+    # centroids in one space. In chunks of rows, so that 10,000 classes do
+    # not need a 10,000 x 10,000 matrix at once.
+    for start in range(0, classes, rows_per_chunk):
+        rows = ops.transpose(centroids[:, start : start + rows_per_chunk])
+        log_kernel = _ops.log_kernel_values(
+            _ops.squared_distances(rows, centroids), layer.length_scales
+        )
+        kernel = np.exp(_float64(log_kernel))
+        own = np.arange(kernel.shape[0])
+        kernel[own, own + start] = -1.0
+        at, cls = np.unravel_index(np.argmax(kernel), kernel.shape)
+        if kernel[at, cls] > best[0]:
+            best = (float(kernel[at, cls]), int(cls), int(at + start))
+    return best
 
 
 def _check_centroid_overlap(model, where):

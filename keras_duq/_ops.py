@@ -45,7 +45,8 @@ def squared_distances(embeddings: Tensor, centroids: Tensor) -> Tensor:
 
     Args:
         embeddings: `(batch, centroid_dims, num_classes)`: `W_c f(x)` for
-            every class `c`.
+            every class `c` (the per-class head), or `(batch, centroid_dims)`:
+            one `W f(x)` measured against every centroid (the shared head).
         centroids: `(centroid_dims, num_classes)`: `e_c` for every class.
 
     Returns:
@@ -53,7 +54,26 @@ def squared_distances(embeddings: Tensor, centroids: Tensor) -> Tensor:
         Dividing by `centroid_dims` (the paper's `1/n`) keeps the length
         scale meaningful whatever the centroid size.
     """
+    if len(embeddings.shape) == 2:
+        return _shared_squared_distances(embeddings, centroids)
     return ops.mean(ops.square(embeddings - centroids[None]), axis=1)
+
+
+def _shared_squared_distances(embeddings: Tensor, centroids: Tensor) -> Tensor:
+    # `||z - e||^2 = ||z||^2 - 2 z.e + ||e||^2`: one matrix product instead of
+    # a `(batch, centroid_dims, num_classes)` difference, which at 10,000
+    # classes is larger than the whole shared head. Both sides are first
+    # centred on the mean centroid, so that the expansion does not cancel
+    # large norms against each other (float32 keeps ~7 digits of each).
+    center = ops.mean(centroids, axis=1)
+    embeddings = embeddings - center[None, :]
+    centroids = centroids - center[:, None]
+    squared = (
+        ops.sum(ops.square(embeddings), axis=1, keepdims=True)
+        - 2.0 * ops.matmul(embeddings, centroids)
+        + ops.sum(ops.square(centroids), axis=0)[None, :]
+    )
+    return ops.relu(squared) / ops.cast(ops.shape(centroids)[0], squared.dtype)
 
 
 def log_kernel_values(distances: Tensor, length_scale: float | Tensor) -> Tensor:
@@ -258,7 +278,8 @@ def centroid_statistics(
     """Per-class example counts and embedding sums of one batch.
 
     Args:
-        embeddings: `(batch, centroid_dims, num_classes)`.
+        embeddings: `(batch, centroid_dims, num_classes)` (per-class head) or
+            `(batch, centroid_dims)` (shared head), as in `squared_distances`.
         labels_one_hot: `(batch, num_classes)` float32.
 
     Returns:
@@ -266,7 +287,10 @@ def centroid_statistics(
         where `sums[:, c]` adds `W_c f(x)` over the batch's class-`c` examples.
     """
     counts = ops.sum(labels_one_hot, axis=0)
-    sums = ops.einsum("bdc,bc->dc", embeddings, labels_one_hot)
+    if len(embeddings.shape) == 2:
+        sums = ops.matmul(ops.transpose(embeddings), labels_one_hot)
+    else:
+        sums = ops.einsum("bdc,bc->dc", embeddings, labels_one_hot)
     return counts, sums
 
 

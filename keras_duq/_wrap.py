@@ -48,6 +48,7 @@ def wrap(
     bias_correction: bool = False,
     trainable_projection: bool = True,
     projection_learning_rate: float = DEFAULT_PROJECTION_LEARNING_RATE,
+    head: str = "auto",
     health_checks: bool = True,
     penalty_input: str | None = None,
     input_shape: Sequence[int | None] | None = None,
@@ -131,6 +132,10 @@ def wrap(
             more separation of out-of-distribution inputs on every backbone
             measured (see `DUQOutput` and docs/own_model.md); `1.0` is the
             paper's.
+        head: `"auto"` (default), `"per_class"` (the paper's: one
+            projection per class) or `"shared"` (one projection for all
+            classes, for many classes); `"auto"` takes the per-class head
+            up to 2**24 projection values (see `DUQOutput`).
         health_checks: bool, whether `fit`, `evaluate` and `predict` warn
             (once per cause, with a `keras_duq.DUQHealthWarning`) about
             DUQ's failure modes and log the numbers behind them (see
@@ -175,6 +180,7 @@ def wrap(
         bias_correction=bias_correction,
         trainable_projection=trainable_projection,
         projection_learning_rate=projection_learning_rate,
+        head=head,
         name="duq_output",
     )(features)
     return DUQModel(

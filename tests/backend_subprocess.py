@@ -10,7 +10,12 @@ TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def make_model(
-    gradient_penalty=0.5, batch_norm=True, classes=3, momentum=0.9, **kwargs
+    gradient_penalty=0.5,
+    batch_norm=True,
+    classes=3,
+    momentum=0.9,
+    head="auto",
+    **kwargs,
 ):
     """A small CNN with BatchNormalization and a DUQ head, compiled with momentum SGD."""
     import keras
@@ -25,7 +30,7 @@ def make_model(
     x = keras.layers.ReLU()(x)
     x = keras.layers.Flatten()(x)
     outputs = keras_duq.DUQOutput(
-        classes, centroid_dims=6, length_scale=0.5, momentum=0.9
+        classes, centroid_dims=6, length_scale=0.5, momentum=0.9, head=head
     )(x)
     model = keras_duq.DUQModel(
         inputs, outputs, gradient_penalty=gradient_penalty, **kwargs

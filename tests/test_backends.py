@@ -39,8 +39,10 @@ def policy():
     keras.mixed_precision.set_global_policy("float32")
 
 
-def test_fit_evaluate_predict_callbacks_and_keras_file(tmp_path):
-    model = _model()
+@pytest.mark.parametrize("head", ["per_class", "shared"])
+def test_fit_evaluate_predict_callbacks_and_keras_file(tmp_path, head):
+    model = _model(head=head)
+    assert model.duq_output.resolved_head == head
     x, y = _data(n=64)
     stopper = keras.callbacks.EarlyStopping(monitor="val_loss", patience=10)
     history = model.fit(
@@ -67,6 +69,7 @@ def test_fit_evaluate_predict_callbacks_and_keras_file(tmp_path):
     model.save(path)
     reloaded = keras.saving.load_model(path)
     np.testing.assert_allclose(reloaded.predict(x, verbose=0), kernels, atol=1e-6)
+    assert reloaded.duq_output.resolved_head == head
     assert int(reloaded.optimizer.iterations) == 8
     reloaded.fit(x, y, batch_size=16, epochs=1, verbose=0)  # keeps training
     assert int(reloaded.optimizer.iterations) == 12
@@ -185,10 +188,17 @@ def test_lazy_penalty_is_the_scaled_penalty_on_every_kth_step_only():
     assert keras_duq.DUQModel.from_config(lazy.get_config()).penalty_interval == 2
 
 
-@pytest.mark.parametrize("name", ["mixed_bfloat16", "mixed_float16"])
-def test_mixed_precision_trains(policy, name):
+@pytest.mark.parametrize(
+    "name, head",
+    [
+        ("mixed_bfloat16", "per_class"),
+        ("mixed_float16", "per_class"),
+        ("mixed_float16", "shared"),
+    ],
+)
+def test_mixed_precision_trains(policy, name, head):
     policy(name)
-    model = _model(gradient_penalty=1.0)
+    model = _model(gradient_penalty=1.0, head=head)
     assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer) == (
         name == "mixed_float16"
     )

@@ -689,11 +689,11 @@ import keras
 import keras_duq
 
 
-def build():
+def build(head="per_class"):
     inputs = keras.Input((4,))
     x = keras.layers.Dense(8, activation="relu")(inputs)
     outputs = keras_duq.DUQOutput(
-        num_classes=3, centroid_dims=5, momentum=0.9, length_scale=0.5
+        num_classes=3, centroid_dims=5, momentum=0.9, length_scale=0.5, head=head
     )(x)
     model = keras_duq.DUQModel(inputs, outputs, gradient_penalty=0.5)
     model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9))
@@ -716,10 +716,11 @@ from distributed_model import build
 rng = np.random.default_rng(0)
 x = rng.normal(size=(16, 4)).astype("float32")
 y = np.array([0] * 2 + [1] * 6 + [2] * 8)  # the replicas see different classes
-single = build()
+head = sys.argv[1]
+single = build(head)
 strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 with strategy.scope():
-    mirrored = build()
+    mirrored = build(head)
 for weight, other in zip(mirrored.weights, single.weights):
     weight.assign(other.numpy())
 single.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
@@ -742,7 +743,8 @@ print(json.dumps({
 
 
 @pytest.mark.requires_backend("tensorflow")  # tf.distribute
-def test_mirrored_strategy_matches_one_device(tmp_path):
+@pytest.mark.parametrize("head", ["per_class", "shared"])
+def test_mirrored_strategy_matches_one_device(tmp_path, head):
     # Two logical CPUs must be configured before TensorFlow starts: a fresh
     # process. Without the cross-replica sum in update_centroids the weights
     # differ by ~0.8 here (measured), the replicas' centroid copies agreeing.
@@ -753,7 +755,10 @@ def test_mirrored_strategy_matches_one_device(tmp_path):
     script = tmp_path / "mirrored.py"
     script.write_text(_MIRRORED_SCRIPT)
     result = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, check=True
+        [sys.executable, str(script), head],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["replicas"] == 2 and report["copies"] == 2

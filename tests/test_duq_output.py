@@ -177,3 +177,92 @@ def test_config_without_projection_learning_rate_loads_at_the_paper_rate():
     del config["projection_learning_rate"]
     restored = keras_duq.DUQOutput.from_config(config)
     assert restored.projection_learning_rate == 1.0
+
+
+def test_shared_head_matches_its_formula_and_a_per_class_head_with_equal_projections():
+    shared = _layer(head="shared", length_scale=0.5, num_classes=7)
+    assert shared.resolved_head == "shared"
+    assert tuple(shared.kernel.shape) == (5, 4)
+    features = _features()
+    projection = keras.ops.convert_to_numpy(shared.projection)
+    centroids = keras.ops.convert_to_numpy(shared.centroids)
+    distance = np.mean(
+        ((features @ projection)[:, :, None] - centroids[None]) ** 2, axis=1
+    )
+    got = keras.ops.convert_to_numpy(shared(features))
+    np.testing.assert_allclose(got, np.exp(-distance / 0.5), rtol=1e-4, atol=1e-7)
+    # The per-class head with every W_c = W computes the same kernel values.
+    per_class = _layer(head="per_class", length_scale=0.5, num_classes=7)
+    per_class.kernel.assign(
+        np.repeat(keras.ops.convert_to_numpy(shared.kernel)[:, :, None], 7, axis=2)
+        .reshape(5, 28)
+    )
+    per_class.centroid_sums.assign(keras.ops.convert_to_numpy(shared.centroid_sums))
+    np.testing.assert_allclose(
+        keras.ops.convert_to_numpy(per_class(features)), got, rtol=1e-5, atol=1e-7
+    )
+
+
+def test_shared_head_distances_stay_exact_far_from_the_origin():
+    # The shared head expands ||z - e||^2 into one matrix product; centred on
+    # the mean centroid, it does not lose the small distances of a trained
+    # model whose embeddings and centroids sit far from zero.
+    layer = _layer(head="shared", length_scale=0.1)
+    offset = 1000.0
+    layer.centroid_sums.assign(
+        (keras.ops.convert_to_numpy(layer.centroids) + offset)
+        * keras.ops.convert_to_numpy(layer.centroid_counts)[None]
+    )
+    centroids = keras.ops.convert_to_numpy(layer.centroids)
+    embeddings = centroids.T + 0.01  # 0.01 from each centroid in every dim
+    log_kernel = keras_duq._ops.log_kernel_values(
+        keras_duq._ops.squared_distances(
+            keras.ops.convert_to_tensor(embeddings), layer.centroids
+        ),
+        0.1,
+    )
+    own = np.diagonal(keras.ops.convert_to_numpy(log_kernel))
+    np.testing.assert_allclose(own, -(0.01**2) / (2 * 0.1**2), rtol=1e-2)
+
+
+def test_shared_head_update_centroids_is_one_moving_average_step():
+    layer = _layer(head="shared", momentum=0.9)
+    features = _features()
+    labels = np.array([0, 1, 1, 2, 2, 2])
+    old_sums = layer.centroid_sums.numpy().copy()
+    embedded = features @ keras.ops.convert_to_numpy(layer.projection)
+    layer.update_centroids(features, np.eye(3, dtype="float32")[labels])
+    for c in range(3):
+        expected = 0.9 * old_sums[:, c] + 0.1 * embedded[labels == c].sum(0)
+        np.testing.assert_allclose(
+            layer.centroid_sums.numpy()[:, c], expected, rtol=1e-5
+        )
+
+
+def test_auto_head_is_per_class_while_small_and_shared_beyond():
+    limit = keras_duq._duq_output.MAX_PER_CLASS_HEAD_VALUES
+    small = keras_duq.DUQOutput(num_classes=10)
+    small.build((None, 2048))  # 2048 x 256 x 10 = 5.2M values
+    assert small.resolved_head == "per_class" and small.get_config()["head"] == "per_class"
+    large = keras_duq.DUQOutput(num_classes=1000)
+    large.build((None, 2048))
+    assert large.resolved_head == "shared" and large.get_config()["head"] == "shared"
+    # At most twice a softmax head's values (2048 x 1000 + 1000).
+    assert large.count_params() <= 2 * (2048 * 1000 + 1000)
+    assert 2048 * 256 * 10 <= limit < 2048 * 256 * 1000
+
+
+def test_config_without_head_loads_the_per_class_head():
+    # Files saved before `head` existed hold a per-class kernel, whatever
+    # today's rule would choose for their sizes.
+    layer = keras_duq.DUQOutput(num_classes=300)  # 512 x 256 x 300 > the limit
+    config = layer.get_config()
+    del config["head"]
+    restored = keras_duq.DUQOutput.from_config(config)
+    restored.build((None, 512))
+    assert restored.resolved_head == "per_class"
+
+
+def test_unknown_head_is_a_clear_error():
+    with pytest.raises(ValueError, match="(?s)head.*Received: `head='low_rank'`"):
+        keras_duq.DUQOutput(num_classes=3, head="low_rank")

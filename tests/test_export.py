@@ -72,7 +72,7 @@ def _data(n=64, features=4, classes=3, seed=0):
     return x, rng.integers(0, classes, size=n)
 
 
-def _model(inputs=None):
+def _model(inputs=None, head="auto"):
     """A small DUQ model with BatchNormalization; `inputs`: a single, dict or list input."""
     keras.utils.set_random_seed(0)
     if inputs is None:
@@ -84,7 +84,9 @@ def _model(inputs=None):
         )
     x = keras.layers.Dense(8, activation="relu")(x)
     x = keras.layers.BatchNormalization()(x)
-    outputs = keras_duq.DUQOutput(num_classes=3, centroid_dims=6, length_scale=0.5)(x)
+    outputs = keras_duq.DUQOutput(
+        num_classes=3, centroid_dims=6, length_scale=0.5, head=head
+    )(x)
     return keras_duq.DUQModel(inputs, outputs, gradient_penalty=0.0)
 
 
@@ -124,7 +126,11 @@ def test_export_matches_predict_loaded_with_tensorflow_alone(tmp_path):
     x2, input_names, expected2 = x[:, :3], {}, {}
     for kind in ("dict", "list"):
         a, b = keras.Input((2,), name="a"), keras.Input((1,), name="b")
-        other = _model({"a": a, "b": b} if kind == "dict" else [a, b])
+        # The list-input model has the shared head: it exports the same way.
+        other = _model(
+            {"a": a, "b": b} if kind == "dict" else [a, b],
+            head="per_class" if kind == "dict" else "shared",
+        )
         arrays = {"a": x2[:, :2], "b": x2[:, 2:]}
         input_names[kind] = ["a", "b"] if kind == "dict" else ["inputs_0", "inputs_1"]
         other.export(str(tmp_path / kind))
@@ -132,7 +138,26 @@ def test_export_matches_predict_loaded_with_tensorflow_alone(tmp_path):
         batch = arrays if kind == "dict" else list(arrays.values())
         expected2[kind] = other.predict(batch, verbose=0)
 
+    # The top two classes and their kernel values in place of all of them.
+    top_path = str(tmp_path / "top_k")
+    model.export(top_path, top_k=2)
+    exports[top_path] = {"inputs": x}
+
     outputs, report = _serve_with_tf_only(tmp_path, exports)
+    top = outputs[top_path]
+    assert set(top) == {"top_k_classes", "top_k_kernel_values", "predictions", "certainty"}
+    assert top["top_k_classes"].dtype == np.int64
+    finite_rows = np.arange(len(x)) != 4
+    np.testing.assert_array_equal(
+        top["top_k_classes"][finite_rows, 0], expected[finite_rows].argmax(axis=1)
+    )
+    np.testing.assert_allclose(
+        top["top_k_kernel_values"][finite_rows],
+        -np.sort(-expected[finite_rows], axis=1)[:, :2],
+        rtol=1e-4,
+        atol=1e-7,
+    )
+    assert np.isnan(top["top_k_kernel_values"][4]).all()
     served = outputs[path]
     assert report[path]["inputs"] == ["inputs"]
     assert report[path]["dtypes"] == {
@@ -274,6 +299,15 @@ def test_export_threshold_is_checked_before_writing(tmp_path, threshold):
         ValueError, match=r"float in \[0, 1\].*Received: `certainty_threshold="
     ):
         model.export(str(path), certainty_threshold=threshold)
+    assert not path.exists()
+
+
+@pytest.mark.parametrize("top_k", [0, 4, 1.5, True])
+def test_export_top_k_is_checked_before_writing(tmp_path, top_k):
+    model = _model()  # 3 classes
+    path = tmp_path / "savedmodel"
+    with pytest.raises(ValueError, match=r"int in \[1, 3\].*Received: `top_k="):
+        model.export(str(path), top_k=top_k)
     assert not path.exists()
 
 

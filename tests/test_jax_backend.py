@@ -166,16 +166,17 @@ def test_bad_batches_raise_before_any_state_changes():
     assert out["late_state"] == 0.0
 
 
-def test_data_parallel_matches_one_device():
-    script = """
+@pytest.mark.parametrize("head", ["per_class", "shared"])
+def test_data_parallel_matches_one_device(head):
+    script = f"""
         import jax
         if os.environ.get("DUQ_DATA_PARALLEL"):
             assert len(jax.devices()) == 2
             keras.distribution.set_distribution(keras.distribution.DataParallel())
-        model = make_model(gradient_penalty=0.5, batch_norm=False)
+        model = make_model(gradient_penalty=0.5, batch_norm=False, head="{head}")
         x, y = data(n=128)
         model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
-        print(json.dumps({v.path: v.numpy().tolist() for v in model.weights}))
+        print(json.dumps({{v.path: v.numpy().tolist() for v in model.weights}}))
     """
     one = run(script)
     two = run(
