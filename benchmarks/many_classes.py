@@ -87,7 +87,6 @@ def measure(classes, head, features, batch_size, steps, centroid_dims):
     record["train_step_ms"] = best_of(lambda: model.train_on_batch(x, y))
     record["predict_ms"] = best_of(lambda: model.predict_on_batch(x))
     record["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    del model
 
     inputs = keras.Input((features,))
     softmax = keras.Model(
@@ -169,7 +168,8 @@ def main(argv=None):
             print(json.dumps(record), flush=True)
             records.append(record)
     report = {
-        "command": "python -m benchmarks.many_classes " + " ".join(argv or sys.argv[1:]),
+        "command": "python -m benchmarks.many_classes "
+        + " ".join(argv or sys.argv[1:]),
         "backend": keras.backend.backend(),
         "keras": keras.__version__,
         "python": platform.python_version(),

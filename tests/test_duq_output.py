@@ -194,8 +194,9 @@ def test_shared_head_matches_its_formula_and_a_per_class_head_with_equal_project
     # The per-class head with every W_c = W computes the same kernel values.
     per_class = _layer(head="per_class", length_scale=0.5, num_classes=7)
     per_class.kernel.assign(
-        np.repeat(keras.ops.convert_to_numpy(shared.kernel)[:, :, None], 7, axis=2)
-        .reshape(5, 28)
+        np.repeat(
+            keras.ops.convert_to_numpy(shared.kernel)[:, :, None], 7, axis=2
+        ).reshape(5, 28)
     )
     per_class.centroid_sums.assign(keras.ops.convert_to_numpy(shared.centroid_sums))
     np.testing.assert_allclose(
@@ -243,7 +244,9 @@ def test_auto_head_is_per_class_while_small_and_shared_beyond():
     limit = keras_duq._duq_output.MAX_PER_CLASS_HEAD_VALUES
     small = keras_duq.DUQOutput(num_classes=10)
     small.build((None, 2048))  # 2048 x 256 x 10 = 5.2M values
-    assert small.resolved_head == "per_class" and small.get_config()["head"] == "per_class"
+    assert (
+        small.resolved_head == "per_class" and small.get_config()["head"] == "per_class"
+    )
     large = keras_duq.DUQOutput(num_classes=1000)
     large.build((None, 2048))
     assert large.resolved_head == "shared" and large.get_config()["head"] == "shared"

@@ -145,7 +145,12 @@ def test_export_matches_predict_loaded_with_tensorflow_alone(tmp_path):
 
     outputs, report = _serve_with_tf_only(tmp_path, exports)
     top = outputs[top_path]
-    assert set(top) == {"top_k_classes", "top_k_kernel_values", "predictions", "certainty"}
+    assert set(top) == {
+        "top_k_classes",
+        "top_k_kernel_values",
+        "predictions",
+        "certainty",
+    }
     assert top["top_k_classes"].dtype == np.int64
     finite_rows = np.arange(len(x)) != 4
     np.testing.assert_array_equal(
