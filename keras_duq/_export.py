@@ -206,7 +206,7 @@ def serving_outputs(
     }
     if top_k is not None:
         del outputs["kernel_values"]
-        top_log_kernel, outputs["top_k_classes"] = ops.top_k(log_kernel, top_k)
+        top_log_kernel, outputs["top_k_classes"] = _top_k(log_kernel, top_k)
         outputs["top_k_kernel_values"] = ops.exp(top_log_kernel)
     if certainty_threshold is not None:
         # The threshold is compared in float32, the certainty's dtype.
@@ -216,6 +216,16 @@ def serving_outputs(
     if calibrator is not None:
         outputs["probability_correct"] = ops.cast(calibrator(certainty), "float32")
     return outputs
+
+
+def _top_k(values: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """`(top values, their indices)` along the last axis, largest first."""
+    if keras.backend.backend() != "jax":
+        return ops.top_k(values, k)
+    # JAX lowers `top_k` to a StableHLO composite that TensorFlow's XLA
+    # cannot load from a jax2tf SavedModel; a sort exports everywhere.
+    indices = ops.argsort(-values, axis=-1)[:, :k]
+    return ops.take_along_axis(values, indices, axis=-1), indices
 
 
 def export_saved_model(
