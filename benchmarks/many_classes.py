@@ -155,7 +155,10 @@ def main(argv=None):
                 if args.centroid_dims:
                     command.append(f"--centroid-dims={args.centroid_dims}")
                 result = subprocess.run(
-                    command, capture_output=True, text=True, env=dict(os.environ)
+                    command,
+                    capture_output=True,
+                    text=True,
+                    cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                 )
                 if result.returncode != 0:
                     record = {

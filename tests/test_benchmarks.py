@@ -344,3 +344,33 @@ def test_ood_feature_statistics_see_digits_mapped_onto_one_class():
     assert result["auroc_nearest_mean_distance"] > 0.99
     assert result["ood_median_nearest_mean_distance"] > 20.0
     assert len(result["feature_norm_per_class"]) == 2
+
+
+@pytest.mark.slow  # a fresh process per configuration
+def test_many_classes_measures_both_heads_and_names_what_it_did_not_build(tmp_path):
+    from benchmarks import many_classes
+
+    output = tmp_path / "many_classes.json"
+    many_classes.main(
+        [
+            "--classes", "3", "40",
+            "--features", "16",
+            "--steps", "1",
+            "--max-per-class-values", "1000",
+            "--output", str(output),
+        ]
+    )  # fmt: skip
+    records = json.loads(output.read_text())["records"]
+    assert [(r["classes"], r["head"]) for r in records] == [
+        (3, "per_class"),
+        (3, "shared"),
+        (40, "per_class"),
+        (40, "shared"),
+    ]
+    per_class, shared, not_built, many = records
+    assert per_class["head_values"] == 16 * 16 * 3 + 3 * 16 + 3 + 3
+    assert shared["head_values"] == 16 * 16 + 3 * 16 + 3 + 3
+    assert "10,240 projection values" in not_built["not_built"]
+    for record in (per_class, shared, many):
+        assert record["train_step_ms"] > 0 and record["softmax_train_step_ms"] > 0
+        assert record["peak_rss_gb"] > 0
