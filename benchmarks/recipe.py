@@ -264,11 +264,16 @@ def main(argv=None):
                 backend=keras.backend.backend(),
                 cpu=platform.processor() or platform.machine(),
             )
-            line = json.dumps(record)
-            print(line, flush=True)
-            if args.output:
-                with open(args.output, "a") as f:
-                    f.write(line + "\n")
+            emit(record, args.output)
+
+
+def emit(record, output=None):
+    """Prints `record` as one JSON line and appends it to `output` if given."""
+    line = json.dumps(record)
+    print(line, flush=True)
+    if output:
+        with open(output, "a") as f:
+            f.write(line + "\n")
 
 
 if __name__ == "__main__":

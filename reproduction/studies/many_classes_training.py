@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import argparse
 import ast
-import json
 import time
 
 import keras
 import numpy as np
 
 import keras_duq
+from benchmarks.recipe import emit
 from keras_duq import evaluation
 
 
@@ -126,12 +126,7 @@ def main(argv=None):
     }
     for seed in args.seeds:
         for method in args.methods:
-            record = run(seed, method, args)
-            line = json.dumps(record)
-            print(line, flush=True)
-            if args.output:
-                with open(args.output, "a") as f:
-                    f.write(line + "\n")
+            emit(run(seed, method, args), args.output)
 
 
 if __name__ == "__main__":
