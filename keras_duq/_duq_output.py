@@ -28,8 +28,8 @@ HEADS = ("auto", "per_class", "shared")
 # `head="auto"` keeps the paper's per-class head up to this many projection
 # values (`features * centroid_dims * num_classes`; 64 MB of float32, three
 # times that with Adam's moments) and takes the shared head above it. The
-# per-class head's training step grows with this product (docs/many_classes.md:
-# 5.6x a softmax step at 5.2M values, 36x at 52M); the shared head's holds
+# per-class head's training step grows with this product (docs/many_classes.md
+# measures it against a softmax step); the shared head holds
 # `features * centroid_dims` values whatever the number of classes.
 MAX_PER_CLASS_HEAD_VALUES = 2**24
 
