@@ -221,7 +221,8 @@ class DUQOutput(keras.layers.Layer):
                 f"Unknown `head`. Expected one of {HEADS}: 'per_class' is the "
                 "paper's head (one projection per class), 'shared' one "
                 "projection for all classes (for many classes), 'auto' the "
-                f"first up to {MAX_PER_CLASS_HEAD_VALUES:,} projection values. "
+                f"per-class head up to {MAX_PER_CLASS_HEAD_VALUES:,} projection "
+                "values and the shared one above. "
                 f"Received: `head={head!r}`"
             )
         self.head = head
@@ -256,7 +257,11 @@ class DUQOutput(keras.layers.Layer):
 
         self.kernel = self.add_weight(
             name="kernel",
-            shape=(features, dims * self._projections),
+            # The shared head has one projection: `(features, dims)`.
+            shape=(
+                features,
+                dims * (self.num_classes if self._resolved_head == "per_class" else 1),
+            ),
             initializer=self.kernel_initializer
             if rate == 1.0
             else stored_initial_value,
@@ -290,10 +295,6 @@ class DUQOutput(keras.layers.Layer):
             aggregation="mean",
         )
         self.input_spec = keras.layers.InputSpec(ndim=2, axes={-1: features})
-
-    @property
-    def _projections(self) -> int:
-        return self.num_classes if self._resolved_head == "per_class" else 1
 
     @property
     def resolved_head(self) -> str:

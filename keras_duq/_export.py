@@ -92,8 +92,8 @@ def check_export_options(
     certainty_threshold: Any,
     calibrator: Any,
     options: dict[str, Any],
-    top_k: Any = None,
-    num_classes: int | None = None,
+    top_k: Any,
+    num_classes: int,
 ) -> None:
     """Raises a `ValueError` for an option `export_saved_model` cannot use.
 
@@ -137,7 +137,7 @@ def check_export_options(
     if top_k is not None and (
         isinstance(top_k, bool)
         or not isinstance(top_k, int)
-        or not 1 <= top_k <= (num_classes or top_k)
+        or not 1 <= top_k <= num_classes
     ):
         raise ValueError(
             f"Expected `top_k` to be an int in [1, {num_classes}] (the number "
