@@ -519,16 +519,13 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
         top_k: int | None = None,
         **kwargs: Any,
     ) -> None:
-        """Exports a SavedModel for TF Serving (Keras's `Model.export`).
+        """Exports the DUQ serving outputs (Keras's `Model.export`).
 
-        With `format="tf_saved_model"` (the default) the `serving_default`
-        signature (also callable as `serve`) takes the model's input with a
-        free batch dimension, under a stable name: `inputs` for a
-        single-input model, the keys of a dict of inputs, or `inputs_0`,
-        `inputs_1`, ... for a list. It returns a dict:
+        Every format serves the same computation and outputs: a dict of
 
         - `kernel_values`: `(batch, num_classes)` float32 kernel values;
-        - `predictions`: `(batch,)` int64 predicted class (argmax);
+        - `predictions`: `(batch,)` int64 predicted class (argmax; int32
+          from JAX, which has no int64 without x64);
         - `certainty`: `(batch,)` float32 max kernel value;
         - `accept`: `(batch,)` bool, `certainty >= certainty_threshold`
           (compared in float32), only with `certainty_threshold`;
@@ -542,11 +539,24 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
         at thousands of classes a response then holds `top_k` values per
         example, not one per class.
 
-        The same signature is written from the TensorFlow and the JAX
-        backend (JAX through `jax2tf`). Loading it needs only TensorFlow
-        (`tf.saved_model.load`). On PyTorch this format raises a
-        `ValueError` that says how to export from another backend. Other
-        formats are passed to `keras.Model.export` unchanged.
+        A row with a NaN or infinite input gets NaN float outputs and
+        `accept` False (its `predictions` value means nothing).
+
+        Formats, by backend: `"tf_saved_model"` from TensorFlow and JAX
+        (JAX through `jax2tf`); `"onnx"` from all three; `"litert"` and
+        `"openvino"` from TensorFlow (OpenVINO reads the ONNX file from the
+        others); `"torch"` (`torch.export`) from PyTorch. Another format
+        raises a `ValueError` that says what works. The outputs are named
+        as above in every format (ONNX and `torch` list them in the order
+        of their names). The SavedModel's `serving_default` signature
+        (also `serve`) takes the input with a free batch dimension, under
+        a stable name: `inputs` for a single-input model, the keys of a
+        dict of inputs, or `inputs_0`, `inputs_1`, ... for a list; every
+        format names a single input `inputs`. A mixed-precision model
+        exports to every format but LiteRT, whose built-in operators have
+        no float16 matrix multiply. Loading needs only the format's
+        runtime (`tf.saved_model.load`, `onnxruntime`, `ai_edge_litert`,
+        `openvino`, `torch.export.load`); `docs/serving.md` shows each.
 
         Example:
 
@@ -555,15 +565,21 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
         reloaded = tf.saved_model.load("duq_savedmodel")
         outputs = reloaded.signatures["serving_default"](inputs=tf.constant(x))
         outputs["accept"]  # False: refer the example to a person
+
+        model.export("duq.onnx", format="onnx", certainty_threshold=0.5)
+        session = onnxruntime.InferenceSession("duq.onnx")
+        names = [output.name for output in session.get_outputs()]
+        outputs = dict(zip(names, session.run(None, {"inputs": x})))
         ```
 
         The body of a TF Serving REST request (`POST .../models/NAME:predict`)
         is `{"instances": x.tolist()}`.
 
         Args:
-            filepath: directory to write the SavedModel to.
-            format: `"tf_saved_model"` (default) or another format that
-                `keras.Model.export` supports.
+            filepath: where to write: a directory for the SavedModel, a
+                `.onnx`, `.tflite`, `.xml` (OpenVINO) or `.pt2` file.
+            format: `"tf_saved_model"` (default), `"onnx"`, `"litert"`,
+                `"openvino"` or `"torch"`, as the backend supports (above).
             verbose: whether to print Keras's summary of the export
                 (hundreds of lines for a large backbone). Defaults to
                 `False`.
@@ -579,35 +595,32 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
             top_k: optional int in `[1, num_classes]`: serve the `top_k`
                 largest kernel values and their classes instead of every
                 kernel value.
-            **kwargs: on JAX, Keras's `is_static` and `jax2tf_kwargs`;
-                for other formats, passed to `keras.Model.export`. Any
-                other keyword raises a `ValueError`.
+            **kwargs: for the SavedModel on JAX, Keras's `is_static` and
+                `jax2tf_kwargs` (any other keyword raises a `ValueError`);
+                for other formats, passed to `keras.Model.export`.
         """
         from keras_duq import _export
 
+        _export.check_serving_options(
+            certainty_threshold, calibrator, top_k, self.duq_output.num_classes
+        )
+        _export.check_serving_format(format)
+        _export.check_format_precision(self, format)
+        if format == "tf_saved_model":
+            _export.check_export_options(kwargs)
+        _export.check_format_packages(format)
         if format != "tf_saved_model":
-            _export.check_no_serving_options(
-                format, certainty_threshold, calibrator, top_k
-            )
-            _export.check_format_packages(format)
-            if input_signature is None:
-                # Keras infers no signature for a model subclass until called.
-                input_signature = [
-                    _export.serving_input_signature(
-                        self.feature_extractor.input, spec_type="keras"
-                    )
-                ]
-            return super().export(
+            return _export.export_serving_model(
+                self,
                 filepath,
-                format=format,
-                verbose=verbose,
-                input_signature=input_signature,
+                format,
+                verbose,
+                input_signature,
+                certainty_threshold=certainty_threshold,
+                calibrator=calibrator,
+                top_k=top_k,
                 **kwargs,
             )
-        _export.check_export_options(
-            certainty_threshold, calibrator, kwargs, top_k, self.duq_output.num_classes
-        )
-        _export.check_format_packages(format)
         _export.export_saved_model(
             self,
             filepath,

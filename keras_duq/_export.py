@@ -1,10 +1,12 @@
-"""SavedModel export of a DUQ model for TF Serving, from TensorFlow or JAX.
+"""Export of a DUQ model with its serving outputs, in every format Keras writes.
 
-The serving outputs are computed with `keras.ops` (`serving_outputs`), so
-one function serves both backends: Keras's `ExportArchive` turns it into a
-`tf.function` (traced on TensorFlow, converted with `jax2tf` on JAX), and a
-thin TensorFlow wrapper fixes the output dtypes, since JAX without x64 has
-no int64 for `predictions`.
+`serving_outputs` computes them with `keras.ops` (any backend): kernel
+values, predictions, certainty, and with options `accept`,
+`probability_correct` or the top-k classes. The SavedModel (TensorFlow or
+JAX) wraps it in a `tf.function` whose output dtypes are fixed (JAX without
+x64 has no int64); the other formats export `DUQServingModel`, whose `call`
+is `serving_outputs`, with Keras's own exporter. `SERVING_FORMATS` lists the
+formats by backend.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from typing import Any
 import keras
 from keras import ops
 
-from keras_duq._trainer import nan_for_non_finite_inputs
+from keras_duq._trainer import finite_rows
+from keras_duq._trainer import nan_where_not_finite
 from keras_duq._typing import Tensor
+from keras_duq._validation import is_float
 
 if TYPE_CHECKING:
     from keras_duq._duq_model import DUQModel
@@ -31,9 +35,24 @@ if TYPE_CHECKING:
 # `{"instances": [...]}` needs no key at all.
 SINGLE_INPUT_NAME = "inputs"
 
-# Backends whose `ExportArchive` can serve a function of our own (not only
-# the model's `call`); PyTorch's needs `torch_xla` and serves `call` only.
-SAVED_MODEL_BACKENDS = ("tensorflow", "jax")
+# The formats `DUQModel.export` writes with the DUQ serving outputs, by
+# backend: those where Keras's exporter converts the serving model. Left
+# out: OpenVINO on JAX (Keras's export fails there on any model, JAX 0.10)
+# and on PyTorch (its tracer refuses a dict of outputs), which read the
+# ONNX file instead; LiteRT on PyTorch (it needs litert-torch).
+SERVING_FORMATS = {
+    "tensorflow": ("tf_saved_model", "onnx", "litert", "openvino"),
+    "jax": ("tf_saved_model", "onnx"),
+    "torch": ("onnx", "torch"),
+}
+
+# What to do instead, for a format a backend does not write.
+_INSTEAD = {
+    "openvino": (
+        "OpenVINO reads the ONNX file: export with `format='onnx'` and "
+        "load it with `openvino.Core().compile_model('duq.onnx')`"
+    ),
+}
 
 # Options of Keras's own `tf_saved_model` export that apply here, by backend.
 _BACKEND_OPTIONS = {"jax": ("is_static", "jax2tf_kwargs")}
@@ -46,17 +65,45 @@ _TORCH_MESSAGE = (
     "`model.save('duq.keras')`, load it in a process started with "
     "`KERAS_BACKEND=tensorflow` (or `jax`) with "
     "`keras.models.load_model('duq.keras')`, and call `export` there; or "
-    "export the kernel values alone with `format='onnx'` (its packages: "
+    "export the same outputs from PyTorch with `format='onnx'` or "
+    "`format='torch'` (the ONNX packages: "
     "`pip install \"keras-duq[export]\"`). Received: backend 'torch'"
 )
 
 # The modules each export format needs, by backend (`None`: any backend).
 _FORMAT_MODULES = {
     "tf_saved_model": {None: ("tensorflow",)},
-    "onnx": {"torch": ("onnx", "onnxscript"), None: ("tensorflow", "onnx", "tf2onnx")},
+    "onnx": {
+        "torch": ("onnx", "onnxscript"),
+        "jax": ("onnx", "jax2onnx"),
+        None: ("tensorflow", "onnx", "tf2onnx"),
+    },
+    "torch": {None: ("torch",)},
     "openvino": {None: ("openvino",)},
     "litert": {None: ("tensorflow",)},
 }
+
+
+def check_serving_format(format: str) -> None:
+    """Raises a `ValueError` for a format this backend does not serve DUQ outputs in."""
+    backend = keras.backend.backend()
+    formats = SERVING_FORMATS.get(backend, ())
+    if format in formats or format not in _FORMAT_MODULES:
+        return  # Keras reports an unknown format itself.
+    if backend == "torch" and format == "tf_saved_model":
+        raise ValueError(_TORCH_MESSAGE)
+    elsewhere = [name for name, served in SERVING_FORMATS.items() if format in served]
+    instead = _INSTEAD.get(format) if "onnx" in formats else None
+    raise ValueError(
+        f"`DUQModel.export(format={format!r})` is not supported on the {backend} "
+        f"backend, which exports the DUQ serving outputs as "
+        f"{', '.join(repr(name) for name in formats)}. "
+        + (f"{instead}; or save " if instead else "Save ")
+        + "the model with `model.save('duq.keras')`, load it in a process "
+        f"started with `KERAS_BACKEND={elsewhere[0]}` with "
+        "`keras.models.load_model('duq.keras')` and export it there. "
+        f"Received: `format={format!r}`"
+    )
 
 
 def check_format_packages(format: str) -> None:
@@ -88,13 +135,7 @@ def check_format_packages(format: str) -> None:
         )
 
 
-def check_export_options(
-    certainty_threshold: Any,
-    calibrator: Any,
-    options: dict[str, Any],
-    top_k: Any,
-    num_classes: int,
-) -> None:
+def check_export_options(options: dict[str, Any]) -> None:
     """Raises a `ValueError` for an option `export_saved_model` cannot use.
 
     Called before anything is traced or written.
@@ -114,6 +155,15 @@ def check_export_options(
             f"`format='tf_saved_model'` on the {backend} backend it {passed_on}. "
             f"Remove them or check their spelling. Received: {received}"
         )
+
+
+def check_serving_options(
+    certainty_threshold: Any, calibrator: Any, top_k: Any, num_classes: int
+) -> None:
+    """Raises a `ValueError` for a serving option of `export` out of its range.
+
+    Called before anything is traced or written, for every format.
+    """
     if certainty_threshold is not None and (
         isinstance(certainty_threshold, bool)
         or not isinstance(certainty_threshold, (int, float))
@@ -144,37 +194,6 @@ def check_export_options(
             "of classes served per example), or `None` to serve every kernel "
             f"value. Received: `top_k={top_k!r}`"
         )
-    if backend not in SAVED_MODEL_BACKENDS:
-        raise ValueError(
-            _TORCH_MESSAGE
-            if backend == "torch"
-            else "`DUQModel.export` writes a SavedModel from the TensorFlow or "
-            f"JAX backend. Received: backend {backend!r}"
-        )
-
-
-def check_no_serving_options(
-    format: str, certainty_threshold: Any, calibrator: Any, top_k: Any = None
-) -> None:
-    """Raises a `ValueError` when a DUQ serving option meets another format."""
-    given = {
-        name: value
-        for name, value in (
-            ("certainty_threshold", certainty_threshold),
-            ("calibrator", calibrator),
-            ("top_k", top_k),
-        )
-        if value is not None
-    }
-    if given:
-        received = ", ".join(f"`{name}={value!r}`" for name, value in given.items())
-        raise ValueError(
-            f"{' and '.join(f'`{name}`' for name in given)}: the outputs these "
-            "add to the DUQ serving signature are written only with "
-            f"`format='tf_saved_model'`; `format={format!r}` exports the "
-            "model's `call` (the kernel values). Export with `format='tf_saved_model'`, or "
-            f"compare the certainty with the threshold yourself. Received: {received}"
-        )
 
 
 def serving_outputs(
@@ -193,15 +212,11 @@ def serving_outputs(
     """
     features = model.feature_extractor(inputs, training=False)
     log_kernel = model.duq_output.log_kernel_values(features)
-    # NaN where an input row is not finite: its certainty is NaN, its
-    # `accept` False.
-    log_kernel = nan_for_non_finite_inputs(inputs, log_kernel)
     kernel_values = ops.exp(log_kernel)
     certainty = ops.max(kernel_values, axis=-1)
     outputs = {
         "kernel_values": kernel_values,
-        # From log K: far inputs underflow every K to 0, not log K.
-        "predictions": ops.argmax(log_kernel, axis=-1),
+        "predictions": _first_argmax(log_kernel),
         "certainty": certainty,
     }
     if top_k is not None:
@@ -215,7 +230,40 @@ def serving_outputs(
         )
     if calibrator is not None:
         outputs["probability_correct"] = ops.cast(calibrator(certainty), "float32")
-    return outputs
+    return _refuse_rows(outputs, finite_rows(inputs))
+
+
+def _refuse_rows(
+    outputs: dict[str, Tensor], finite: Tensor | None
+) -> dict[str, Tensor]:
+    """NaN outputs and `accept` False in the rows where `finite` is False.
+
+    Layers such as ReLU map NaN to a number, and runtimes differ on `exp(NaN)`
+    (OpenVINO's is inf, XNNPACK's 0), so the rows are refused last, on the
+    outputs themselves.
+    """
+    if finite is None:
+        return outputs
+    refused = {}
+    for name, value in outputs.items():
+        if name == "accept":
+            refused[name] = ops.logical_and(value, finite)
+        elif is_float(value.dtype):
+            refused[name] = nan_where_not_finite(finite, value)
+        else:
+            refused[name] = value
+    return refused
+
+
+def _first_argmax(log_kernel: Tensor) -> Tensor:
+    """The index of the first largest value along the last axis.
+
+    From log K: far inputs underflow every K to 0, not log K. Written as the
+    argmax of an integer mask because Keras's float `argmax` on TensorFlow
+    adds a sign-bit test (for -0.0) that ONNX has no operator for.
+    """
+    largest = ops.max(log_kernel, axis=-1, keepdims=True)
+    return ops.argmax(ops.cast(ops.equal(log_kernel, largest), "int32"), axis=-1)
 
 
 def _top_k(values: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -226,6 +274,160 @@ def _top_k(values: Tensor, k: int) -> tuple[Tensor, Tensor]:
     # cannot load from a jax2tf SavedModel; a sort exports everywhere.
     indices = ops.argsort(-values, axis=-1)[:, :k]
     return ops.take_along_axis(values, indices, axis=-1), indices
+
+
+class DUQServingModel(keras.Model):
+    """A model whose `call` returns `serving_outputs` as a dict.
+
+    Keras's exporters other than the SavedModel's write a model's `call`;
+    this one's is the DUQ serving computation, so every format serves the
+    same outputs. Integer outputs are int64 where the backend has it (JAX
+    without x64 gives int32).
+
+    Args:
+        duq_model: the (built) `DUQModel` to serve.
+        certainty_threshold: optional float in `[0, 1]`; adds `accept`.
+        calibrator: optional fitted `CertaintyCalibrator`; adds
+            `probability_correct`.
+        top_k: optional int; serves the `top_k` largest kernel values and
+            their classes instead of every kernel value.
+    """
+
+    def __init__(
+        self,
+        duq_model: DUQModel,
+        certainty_threshold: float | None = None,
+        calibrator: CertaintyCalibrator | None = None,
+        top_k: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.duq_model = duq_model
+        self.certainty_threshold = certainty_threshold
+        self.calibrator = calibrator
+        self.top_k = top_k
+        self.built = duq_model.built
+
+    def call(self, inputs: Any) -> dict[str, Tensor]:
+        outputs = serving_outputs(
+            self.duq_model,
+            inputs,
+            self.certainty_threshold,
+            self.calibrator,
+            self.top_k,
+        )
+        # In the order of their names: the order of the outputs in formats
+        # that flatten the dict (ONNX from PyTorch and JAX).
+        outputs = {name: outputs[name] for name in sorted(outputs)}
+        if keras.backend.backend() == "jax":
+            return outputs
+        return {
+            name: ops.cast(value, "int64") if name in _INDEX_OUTPUTS else value
+            for name, value in outputs.items()
+        }
+
+
+# Outputs that hold class indices (int64 in every format that has it).
+_INDEX_OUTPUTS = ("predictions", "top_k_classes")
+
+
+def check_format_precision(model: DUQModel, format: str) -> None:
+    """Refuses a LiteRT export of a model that computes in float16/bfloat16."""
+    if format != "litert":
+        return
+    low = sorted(
+        {
+            layer.dtype_policy.compute_dtype
+            for layer in _all_layers(model)
+            if layer.dtype_policy.compute_dtype in ("float16", "bfloat16")
+        }
+    )
+    if low:
+        raise ValueError(
+            "`DUQModel.export(format='litert')` needs a model that computes in "
+            f"float32: this one computes in {' and '.join(low)} (a mixed-precision "
+            "dtype policy), and LiteRT's built-in operators have no float16 "
+            "matrix multiply (the converter would emit TensorFlow ops that the "
+            "LiteRT interpreter cannot run). Build the same model under "
+            "`keras.config.set_dtype_policy('float32')`, copy the weights with "
+            "`model32.set_weights(model.get_weights())` and export that one; or "
+            "export this one with `format='onnx'` or `format='openvino'`. "
+            f"Received: a model with `dtype_policy={model.dtype_policy.name!r}`."
+        )
+
+
+def _all_layers(layer: Any) -> list[Any]:
+    found = [layer]
+    for child in getattr(layer, "layers", []):
+        found.extend(_all_layers(child))
+    return found
+
+
+def export_serving_model(
+    model: DUQModel,
+    filepath: str | os.PathLike,
+    format: str,
+    verbose: bool = False,
+    input_signature: list[Any] | None = None,
+    certainty_threshold: float | None = None,
+    calibrator: CertaintyCalibrator | None = None,
+    top_k: int | None = None,
+    **kwargs: Any,
+) -> None:
+    """Writes `DUQServingModel(model, ...)` with `keras.Model.export(format=...)`."""
+    if input_signature is None:
+        # Keras infers no signature for a model subclass until called.
+        input_signature = [
+            serving_input_signature(model.feature_extractor.input, spec_type="keras")
+        ]
+    serving_model = DUQServingModel(model, certainty_threshold, calibrator, top_k)
+    if format == "torch" and "dynamic_shapes" not in kwargs:
+        kwargs["dynamic_shapes"] = _torch_batch_dims(input_signature)
+    serving_model.export(
+        str(filepath),
+        format=format,
+        verbose=verbose,
+        input_signature=input_signature,
+        **kwargs,
+    )
+    if format == "onnx" and keras.backend.backend() in ("torch", "jax"):
+        # Their exporters number the outputs, in the order of the dict's keys.
+        sample = keras.tree.map_structure(
+            lambda spec: ops.zeros((1,) + tuple(spec.shape[1:]), spec.dtype),
+            input_signature,
+        )
+        _name_onnx_outputs(str(filepath), sorted(serving_model(*sample)))
+
+
+def _name_onnx_outputs(path: str, names: list[str]) -> None:
+    """Renames the outputs of an ONNX file to `names`, in order."""
+    import onnx
+
+    onnx_model = onnx.load(path)
+    graph = onnx_model.graph
+    if len(graph.output) != len(names):
+        raise RuntimeError(
+            f"The ONNX export has {len(graph.output)} outputs where the DUQ "
+            f"serving model returns {len(names)} ({', '.join(names)})."
+        )
+    renamed = {output.name: name for output, name in zip(graph.output, names)}
+    for node in graph.node:
+        node.output[:] = [renamed.get(name, name) for name in node.output]
+        node.input[:] = [renamed.get(name, name) for name in node.input]
+    for info in list(graph.value_info) + list(graph.output):
+        info.name = renamed.get(info.name, info.name)
+    onnx.save(onnx_model, path)
+
+
+def _torch_batch_dims(input_signature: list[Any]) -> Any:
+    """`torch.export`'s `dynamic_shapes`: a free batch size for every input."""
+    import torch
+
+    batch = torch.export.Dim("batch", min=1)
+    return tuple(
+        keras.tree.map_structure(lambda spec: {0: batch}, inputs)
+        for inputs in input_signature
+    )
 
 
 def export_saved_model(

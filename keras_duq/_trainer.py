@@ -296,24 +296,48 @@ def all_finite(tensors):
     return ops.all(ops.stack(checks))
 
 
+def finite_rows(inputs):
+    """`(batch,)` bool: whether each row's float inputs are all finite.
+
+    `None` for inputs without a float tensor.
+    """
+    checks = [
+        # `|x| < inf` rather than `isfinite`: it converts to every export
+        # format's runtime.
+        ops.all(
+            ops.less(ops.abs(ops.reshape(t, (ops.shape(t)[0], -1))), float("inf")),
+            axis=1,
+        )
+        for t in keras.tree.flatten(inputs)
+        if is_float(t.dtype) and len(t.shape) > 0
+    ]
+    if not checks:
+        return None
+    finite = checks[0]
+    for check in checks[1:]:
+        finite = ops.logical_and(finite, check)
+    return finite
+
+
+def nan_where_not_finite(finite, values):
+    """`values` `(batch, ...)` with NaN in the rows where `finite` is False.
+
+    The NaN is a scalar: tf2onnx's conversion of a `where` with a tensor of
+    NaN returns NaN everywhere.
+    """
+    if finite is None:
+        return values
+    finite = ops.reshape(finite, (-1,) + (1,) * (len(values.shape) - 1))
+    return ops.where(finite, values, float("nan"))
+
+
 def nan_for_non_finite_inputs(inputs, values):
     """`values` `(batch, ...)` with NaN in the rows whose float inputs are not finite.
 
     Layers such as ReLU map NaN to a number, so a non-finite input can get a
     finite kernel value; this keeps inference from answering for it.
     """
-    checks = [
-        ops.all(ops.isfinite(ops.reshape(t, (ops.shape(t)[0], -1))), axis=1)
-        for t in keras.tree.flatten(inputs)
-        if is_float(t.dtype) and len(t.shape) > 0
-    ]
-    if not checks:
-        return values
-    finite = checks[0]
-    for check in checks[1:]:
-        finite = ops.logical_and(finite, check)
-    finite = ops.reshape(finite, (-1,) + (1,) * (len(values.shape) - 1))
-    return ops.where(finite, values, ops.full_like(values, float("nan")))
+    return nan_where_not_finite(finite_rows(inputs), values)
 
 
 class Trainer:

@@ -710,21 +710,38 @@ class CertaintyCalibrator:
 def _piecewise_linear(x, thresholds, values):
     """The calibration map at `x`: linear between knots, constant outside.
 
-    Only `keras.ops` (no `searchsorted`, which older Keras 3 lacks), so it
-    runs on every backend and inside traced graphs.
+    Only `keras.ops`, so it runs on every backend and inside traced graphs.
+    The segment is a count of knots at or below `x` (what `digitize` gives),
+    not `digitize` or `searchsorted`: older Keras 3 lacks `searchsorted`,
+    and ONNX and OpenVINO have no operator for TensorFlow's `Bucketize`.
     """
     x = ops.cast(ops.convert_to_tensor(x), "float32")
     if len(thresholds) == 1:
         return ops.full_like(x, values[0])
-    segment = ops.clip(ops.digitize(x, thresholds) - 1, 0, len(thresholds) - 2)
-    low_x = ops.take(thresholds, segment)
-    high_x = ops.take(thresholds, segment + 1)
-    low_y = ops.take(values, segment)
-    high_y = ops.take(values, segment + 1)
+    knots_below = ops.greater_equal(ops.expand_dims(x, -1), thresholds)
+    segment = ops.sum(ops.cast(knots_below, "int32"), axis=-1)
+    segment = ops.clip(segment - 1, 0, len(thresholds) - 2)
+    low_x = _select(thresholds, segment)
+    high_x = _select(thresholds, segment + 1)
+    low_y = _select(values, segment)
+    high_y = _select(values, segment + 1)
     weight = ops.clip((x - low_x) / (high_x - low_x), 0.0, 1.0)
     # The minimum keeps float32 rounding from stepping above the next knot,
     # so the map stays monotone.
     return ops.minimum(low_y + weight * (high_y - low_y), high_y)
+
+
+def _select(table, index):
+    """`table[index]` as a masked sum (exact: one term is not zero).
+
+    Not `take`: PyTorch's ONNX exporter has no operator for the flattening
+    inside Keras's `take` on PyTorch.
+    """
+    # A constant, not `ops.arange`: jax2onnx's `arange` needs a stop value.
+    positions = np.arange(len(table), dtype="int32")
+    matches = ops.equal(ops.expand_dims(index, -1), positions)
+    table = ops.convert_to_tensor(table, "float32")
+    return ops.sum(ops.where(matches, table, 0.0), axis=-1)
 
 
 def _as_calibration_map(thresholds, values):

@@ -288,6 +288,7 @@ def test_export_without_its_packages_names_the_extra(tmp_path, monkeypatch):
     assert not path.exists()
 
 
+@pytest.mark.skipif(BACKEND == "torch", reason="PyTorch has no SavedModel export here")
 def test_export_unknown_option_is_an_error(tmp_path):
     model = _model()
     path = tmp_path / "savedmodel"
@@ -324,34 +325,158 @@ def test_export_refuses_an_unfitted_calibrator(tmp_path):
     assert not path.exists()
 
 
-def test_serving_options_need_the_saved_model_format(tmp_path):
+def test_a_format_this_backend_does_not_write_says_what_works(tmp_path):
+    from keras_duq._export import SERVING_FORMATS
+
+    format = next(f for f in ("torch", "openvino") if f not in SERVING_FORMATS[BACKEND])
     model = _model()
+    path = tmp_path / f"duq.{format}"
     with pytest.raises(
-        ValueError,
-        match=r"format='tf_saved_model'.*Received: `certainty_threshold=0.5`",
-    ):
-        model.export(str(tmp_path / "duq.onnx"), format="onnx", certainty_threshold=0.5)
+        ValueError, match=r"is not supported on the .* backend"
+    ) as error:
+        model.export(str(path), format=format, certainty_threshold=0.5)
+    message = str(error.value)
+    assert all(repr(name) in message for name in SERVING_FORMATS[BACKEND])
+    assert "KERAS_BACKEND=" in message and "model.save('duq.keras')" in message
+    if format == "openvino":  # JAX and PyTorch: OpenVINO reads their ONNX
+        assert "format='onnx'" in message
+    assert not path.exists()
 
 
-# ------------------------------------------------------------------ ONNX
+# ------------------------------- the other formats, each in its own runtime
 
 
-@pytest.mark.skipif(
-    BACKEND == "jax", reason="Keras's ONNX export from JAX needs jax2onnx"
-)
-@pytest.mark.filterwarnings(
-    "ignore:In the future `np.object`:FutureWarning"
-)  # Keras's tf2onnx patch
-def test_onnx_export_serves_kernel_values(tmp_path):
-    onnxruntime = pytest.importorskip("onnxruntime")
-    if BACKEND == "tensorflow":
-        pytest.importorskip("tf2onnx")
-    model, x, _ = _trained_model()
-    path = str(tmp_path / "duq.onnx")
-    model.export(path, format="onnx", verbose=False)
-    session = onnxruntime.InferenceSession(path)
-    assert [i.name for i in session.get_inputs()] == ["inputs"]
-    (kernel_values,) = session.run(None, {"inputs": x[:7]})
-    np.testing.assert_allclose(
-        kernel_values, model.predict(x[:7], verbose=0), rtol=1e-5, atol=1e-7
+def _served_formats():
+    from keras_duq._export import SERVING_FORMATS
+
+    return [f for f in SERVING_FORMATS[BACKEND] if f != "tf_saved_model"]
+
+
+_SUFFIX = {"onnx": ".onnx", "litert": ".tflite", "openvino": ".xml", "torch": ".pt2"}
+
+
+def _serve(format, path, x):
+    """The outputs of the export at `path` for `x`, from the format's own runtime."""
+    if format == "onnx":
+        import onnxruntime
+
+        session = onnxruntime.InferenceSession(path)
+        assert [i.name for i in session.get_inputs()] == ["inputs"]
+        names = [o.name for o in session.get_outputs()]
+        return dict(zip(names, session.run(None, {"inputs": x})))
+    if format == "litert":
+        from ai_edge_litert.interpreter import Interpreter
+
+        return Interpreter(model_path=path).get_signature_runner()(inputs=x)
+    if format == "openvino":
+        import openvino
+
+        # Without the hint OpenVINO may compute in bfloat16 on CPUs that have it.
+        compiled = openvino.Core().compile_model(
+            path, "CPU", {"INFERENCE_PRECISION_HINT": "f32"}
+        )
+        assert "inputs" in compiled.input(0).get_names()
+        results = compiled(x)
+        return {o.get_any_name(): results[o] for o in compiled.outputs}
+    import torch
+
+    module = torch.export.load(path).module()
+    return {k: v.detach().numpy() for k, v in module(torch.from_numpy(x)).items()}
+
+
+_RUNTIME_PACKAGES = {
+    "onnx": ("onnxruntime",),
+    "litert": ("ai_edge_litert",),
+    "openvino": ("openvino",),
+    "torch": ("torch",),
+}
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # tf2onnx's numpy aliases
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("precision", ["float32", "mixed_float16"])
+@pytest.mark.parametrize("format", _served_formats())
+def test_each_format_serves_the_duq_outputs_in_its_runtime(tmp_path, format, precision):
+    """Certainty to 1e-5 of `predict` (float32), `accept` = certainty >= t, a NaN row refused."""
+    for package in _RUNTIME_PACKAGES[format]:
+        pytest.importorskip(package)  # the `export` extra installs them
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(precision)
+    try:
+        model, x, y = _trained_model()
+    finally:
+        keras.config.set_dtype_policy(previous)
+    x = np.random.default_rng(1).normal(size=(256, 4)).astype("float32")
+    kernel_values = model.predict(x, verbose=0)
+    calibrator = CertaintyCalibrator().fit(
+        kernel_values.max(axis=1),
+        kernel_values.argmax(axis=1) == np.random.default_rng(2).integers(0, 3, 256),
     )
+    threshold = float(np.median(kernel_values.max(axis=1)))
+    path = str(tmp_path / f"duq{_SUFFIX[format]}")
+    if format == "litert" and precision != "float32":
+        with pytest.raises(ValueError, match=r"float32.*set_dtype_policy"):
+            model.export(path, format=format, certainty_threshold=threshold)
+        assert not os.path.exists(path)
+        return
+    model.export(
+        path, format=format, certainty_threshold=threshold, calibrator=calibrator
+    )
+
+    x[4, 0] = np.nan  # a row that must never be accepted
+    finite = np.arange(len(x)) != 4
+    # float16 has 11 significant bits, and runtimes round its intermediates
+    # at other points: their squared distances differ by a few of its units,
+    # so log kernel values differ by about 1e-3 of the distance (measured:
+    # up to 7e-3 with onnxruntime and OpenVINO; 1e-5 in float32).
+    rtol = 1e-5 if precision == "float32" else 2e-2
+    # Batch sizes 256 (the NaN row among them), 1, and 1 that is the NaN row.
+    for rows in (np.arange(len(x)), np.array([0]), np.array([4])):
+        served = _serve(format, path, x[rows])
+        expected, finite_rows = kernel_values[rows], finite[rows]
+        assert sorted(served) == [
+            "accept",
+            "certainty",
+            "kernel_values",
+            "predictions",
+            "probability_correct",
+        ]
+        assert served["accept"].dtype == np.bool_
+        assert served["certainty"].dtype == np.float32
+        assert np.issubdtype(served["predictions"].dtype, np.integer)
+        ok = finite_rows
+        if precision == "float32":
+            np.testing.assert_allclose(
+                served["kernel_values"][ok], expected[ok], rtol=rtol, atol=1e-7
+            )
+        else:
+            np.testing.assert_allclose(
+                np.log(served["kernel_values"][ok]),
+                np.log(expected[ok]),
+                rtol=0,
+                atol=rtol,
+            )
+        np.testing.assert_allclose(
+            served["certainty"][ok], expected[ok].max(axis=1), rtol=rtol, atol=1e-7
+        )
+        # Rows whose top two kernel values are closer than the tolerance may
+        # swap places between runtimes.
+        top_two = -np.sort(-expected, axis=1)[:, :2]
+        clear = ok & (top_two[:, 0] - top_two[:, 1] > 4 * rtol * top_two[:, 0])
+        np.testing.assert_array_equal(
+            served["predictions"][clear], expected[clear].argmax(axis=1)
+        )
+        np.testing.assert_array_equal(
+            served["accept"], ok & (served["certainty"] >= np.float32(threshold))
+        )
+        np.testing.assert_allclose(
+            served["probability_correct"][ok],
+            calibrator(served["certainty"][ok]),
+            rtol=1e-5,
+            atol=1e-6,
+        )
+        assert np.isnan(served["certainty"][~ok]).all()
+        assert np.isnan(served["kernel_values"][~ok]).all()
+        assert np.isnan(served["probability_correct"][~ok]).all()
+        if len(rows) == len(x):  # the median threshold accepts about half
+            assert len(x) / 4 < served["accept"].sum() < 3 * len(x) / 4

@@ -1,0 +1,295 @@
+"""Serving latency and file size of each export format, in its own runtime.
+
+For each backend (one subprocess each, `KERAS_BACKEND` set), builds the
+paper's FashionMNIST CNN with a 10-class DUQ head (untrained: the weights do
+not change the time), exports it with `certainty_threshold` and a
+`calibrator` to every format that backend writes (`keras_duq._export.
+SERVING_FORMATS`), loads each export in its runtime and times one request
+at batch 1 and at batch 256 (random 28x28x1 inputs), beside `model.predict`
+and a direct `model(x)` call in the same process. A time is the median
+seconds per call over `--windows` interleaved windows after warm-up
+(`benchmarks.speed.interleaved_seconds`). Also reported: the size on disk
+of each export, and the largest relative difference of its `certainty`
+from `predict`'s.
+
+    python -m benchmarks.serving --output benchmarks/serving.json
+    python -m benchmarks.serving --backends tensorflow --windows 3   # quicker
+
+Needs the `export` extra (`pip install -e ".[export]"`) and the backends
+it runs. Runtimes use their default threads; OpenVINO is compiled with
+`INFERENCE_PRECISION_HINT: f32` (otherwise it may compute in bfloat16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BACKENDS = ("tensorflow", "jax", "torch")
+BATCH_SIZES = (1, 256)
+_SUFFIX = {
+    "tf_saved_model": "",
+    "onnx": ".onnx",
+    "litert": ".tflite",
+    "openvino": ".xml",
+    "torch": ".pt2",
+}
+
+
+def _runtime(format, path):
+    """A callable `x -> dict of numpy outputs` that serves the export at `path`."""
+    if format == "tf_saved_model":
+        import tensorflow as tf
+
+        serve = tf.saved_model.load(path).signatures["serving_default"]
+        return lambda x: {k: v.numpy() for k, v in serve(inputs=tf.constant(x)).items()}
+    if format == "onnx":
+        import onnxruntime
+
+        session = onnxruntime.InferenceSession(path)
+        names = [output.name for output in session.get_outputs()]
+        return lambda x: dict(zip(names, session.run(None, {"inputs": x})))
+    if format == "litert":
+        from ai_edge_litert.interpreter import Interpreter
+
+        # One runner per batch size: resizing the input reallocates tensors.
+        runners = {}
+
+        def serve(x):
+            if len(x) not in runners:
+                runners[len(x)] = Interpreter(model_path=path).get_signature_runner()
+            return runners[len(x)](inputs=x)
+
+        return serve
+    if format == "openvino":
+        import openvino
+
+        compiled = openvino.Core().compile_model(
+            path, "CPU", {"INFERENCE_PRECISION_HINT": "f32"}
+        )
+        request = compiled.create_infer_request()
+
+        def serve(x):
+            results = request.infer(x)
+            return {o.get_any_name(): results[o] for o in compiled.outputs}
+
+        return serve
+    import torch
+
+    module = torch.export.load(path).module()
+
+    def serve(x):
+        with torch.no_grad():
+            return {k: v.numpy() for k, v in module(torch.from_numpy(x)).items()}
+
+    return serve
+
+
+def _size_mb(path):
+    path = Path(path)
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    if path.suffix == ".xml":  # OpenVINO: the graph and its weights
+        files.append(path.with_suffix(".bin"))
+    return sum(p.stat().st_size for p in files) / 2**20
+
+
+def measure(windows):
+    """This process's backend: a dict of records, one per way of serving."""
+    import keras
+    import numpy as np
+
+    from benchmarks.speed import build
+    from benchmarks.speed import interleaved_seconds
+    from keras_duq._export import SERVING_FORMATS
+    from keras_duq.evaluation import CertaintyCalibrator
+
+    backend = keras.backend.backend()
+    model = build("duq_penalty", "fashion_mnist_cnn")
+    rng = np.random.default_rng(0)
+    inputs = {
+        size: rng.uniform(size=(size, 28, 28, 1)).astype("float32")
+        for size in BATCH_SIZES
+    }
+    certainty = model.predict(inputs[256], verbose=0).max(axis=1)
+    calibrator = CertaintyCalibrator().fit(certainty, rng.uniform(size=256) < 0.5)
+    threshold = float(np.median(certainty))
+
+    def direct(x):
+        return keras.ops.convert_to_numpy(model(x, training=False))
+
+    servers = {
+        "model.predict": lambda x: model.predict(x, verbose=0, batch_size=len(x)),
+        "model(x)": direct,
+    }
+    sizes, differences, errors = {}, {}, {}
+    folder = tempfile.mkdtemp()
+    for format in SERVING_FORMATS[backend]:
+        path = os.path.join(folder, "duq" + _SUFFIX[format])
+        model.export(
+            path, format=format, certainty_threshold=threshold, calibrator=calibrator
+        )
+        sizes[format] = _size_mb(path)
+        try:
+            serve = _runtime(format, path)
+            served = serve(inputs[256])["certainty"]
+        except Exception as error:  # reported, not timed
+            errors[format] = f"{type(error).__name__}: {str(error)[:300]}"
+            continue
+        servers[format] = serve
+        # Relative: untrained, the certainties are tiny (far from centroids).
+        differences[format] = float(np.max(np.abs(served / certainty - 1)))
+    records = []
+    for size in BATCH_SIZES:
+        x = inputs[size]
+        times = interleaved_seconds(
+            {name: (lambda serve=serve: serve(x)) for name, serve in servers.items()},
+            warmup=3,
+            windows=windows,
+            calls_per_window=1,
+            min_window_s=0.3,
+        )
+        for name, seconds in times.items():
+            records.append(
+                {
+                    "backend": backend,
+                    "runtime": name,
+                    "batch_size": size,
+                    "ms_per_request": 1000 * statistics.median(seconds),
+                    "size_mb": sizes.get(name),
+                    "max_certainty_difference": differences.get(name),
+                }
+            )
+    for name, error in errors.items():
+        records.append(
+            {
+                "backend": backend,
+                "runtime": name,
+                "size_mb": sizes[name],
+                "error": error,
+            }
+        )
+    return records
+
+
+def _versions():
+    versions = {}
+    for name in (
+        "keras",
+        "tensorflow",
+        "jax",
+        "torch",
+        "onnxruntime",
+        "openvino",
+        "ai_edge_litert",
+        "tf2onnx",
+        "jax2onnx",
+        "onnx",
+    ):
+        if importlib.util.find_spec(name) is None:
+            continue
+        try:
+            from importlib.metadata import version
+
+            versions[name] = version(name.replace("_", "-"))
+        except Exception:  # a module whose distribution has another name
+            versions[name] = "installed"
+    return versions
+
+
+def table(records):
+    """The Markdown table of `docs/serving.md`."""
+    lines = [
+        "| backend | served by | ms, batch 1 | ms, batch 256 | size (MB) "
+        "| max relative certainty difference |",
+        "|---|---|---|---|---|---|",
+    ]
+    keys = []
+    for record in records:
+        key = (record["backend"], record["runtime"])
+        if key not in keys:
+            keys.append(key)
+    for backend, runtime in keys:
+        by_size = {
+            r["batch_size"]: r
+            for r in records
+            if r["backend"] == backend and r["runtime"] == runtime and "error" not in r
+        }
+        if not by_size:  # the runtime could not serve the export
+            (failed,) = [
+                r
+                for r in records
+                if r["backend"] == backend and r["runtime"] == runtime
+            ]
+            lines.append(
+                f"| {backend} | {runtime} | fails to run | | {failed['size_mb']:.1f} | |"
+            )
+            continue
+        first = by_size[BATCH_SIZES[0]]
+        size = "" if first["size_mb"] is None else f"{first['size_mb']:.1f}"
+        difference = first["max_certainty_difference"]
+        difference = "" if difference is None else f"{difference:.1e}"
+        lines.append(
+            f"| {backend} | {runtime} | {by_size[1]['ms_per_request']:.2f} "
+            f"| {by_size[256]['ms_per_request']:.1f} | {size} | {difference} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS
+    )
+    parser.add_argument("--windows", type=int, default=7)
+    parser.add_argument("--output", default=None, help="JSON file to write.")
+    parser.add_argument("--_one", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args._one:  # a child process: its backend
+        print(json.dumps(measure(args.windows)), flush=True)
+        return
+    records = []
+    for backend in args.backends:
+        if importlib.util.find_spec(backend) is None:
+            print(f"{backend}: not installed, skipped", flush=True)
+            continue
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.serving",
+                "--_one",
+                f"--windows={args.windows}",
+            ],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            env={**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3"},
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"{backend}: {result.stderr[-3000:]}")
+        records.extend(json.loads(result.stdout.strip().splitlines()[-1]))
+    print(table(records))
+    report = {
+        "command": "python -m benchmarks.serving " + " ".join(argv or sys.argv[1:]),
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "versions": _versions(),
+        "records": records,
+    }
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
