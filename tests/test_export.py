@@ -206,6 +206,50 @@ def test_export_matches_predict_loaded_with_tensorflow_alone(tmp_path):
         )
 
 
+@pytest.mark.requires_backend("tensorflow")  # TF Serving's client needs TensorFlow
+def test_a_tf_serving_request_built_with_the_client_package_runs_the_signature(
+    tmp_path,
+):
+    """The gRPC request of docs/serving.md, built with `tensorflow-serving-api`,
+    names a signature and input that the export has, and its response tensors
+    decode to `predict`'s outputs (the server itself cannot be installed here:
+    the signature runs in its place, on the request's own bytes)."""
+    import tensorflow as tf
+    from tensorflow_serving.apis import predict_pb2
+
+    model, x, _ = _trained_model()
+    kernel_values = model.predict(x, verbose=0)
+    threshold = float(np.median(kernel_values.max(axis=1)))
+    path = str(tmp_path / "duq" / "1")  # TF Serving's numbered version folder
+    model.export(path, certainty_threshold=threshold)
+
+    request = predict_pb2.PredictRequest()
+    request.model_spec.name = "duq"
+    request.model_spec.signature_name = "serving_default"
+    request.inputs["inputs"].CopyFrom(tf.make_tensor_proto(x))
+    received = predict_pb2.PredictRequest.FromString(request.SerializeToString())
+
+    signature = tf.saved_model.load(path).signatures[received.model_spec.signature_name]
+    outputs = signature(
+        **{
+            name: tf.constant(tf.make_ndarray(tensor))
+            for name, tensor in received.inputs.items()
+        }
+    )
+    response = predict_pb2.PredictResponse()
+    for name, value in outputs.items():
+        response.outputs[name].CopyFrom(tf.make_tensor_proto(value))
+
+    certainty = tf.make_ndarray(response.outputs["certainty"])
+    np.testing.assert_allclose(certainty, kernel_values.max(axis=1), rtol=1e-5)
+    np.testing.assert_array_equal(
+        tf.make_ndarray(response.outputs["accept"]), certainty >= threshold
+    )
+    np.testing.assert_array_equal(
+        tf.make_ndarray(response.outputs["predictions"]), kernel_values.argmax(axis=1)
+    )
+
+
 @pytest.mark.skipif(
     BACKEND != "tensorflow", reason="saved_model_cli reads the TF export"
 )
@@ -418,6 +462,14 @@ def test_each_format_serves_the_duq_outputs_in_its_runtime(tmp_path, format, pre
         with pytest.raises(ValueError, match=r"float32.*set_dtype_policy"):
             model.export(path, format=format, certainty_threshold=threshold)
         assert not os.path.exists(path)
+        # The way out the error names: a float32 copy of the same model.
+        model32 = _model()  # built under the float32 policy
+        model32.set_weights(model.get_weights())
+        model32.export(path, format=format, certainty_threshold=threshold)
+        served = _serve(format, path, x)
+        np.testing.assert_allclose(
+            np.log(served["kernel_values"]), np.log(kernel_values), rtol=0, atol=2e-2
+        )
         return
     model.export(
         path, format=format, certainty_threshold=threshold, calibrator=calibrator
