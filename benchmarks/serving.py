@@ -137,15 +137,22 @@ def measure(windows):
     folder = tempfile.mkdtemp()
     for format in SERVING_FORMATS[backend]:
         path = os.path.join(folder, "duq" + _SUFFIX[format])
-        model.export(
-            path, format=format, certainty_threshold=threshold, calibrator=calibrator
-        )
+        try:
+            model.export(
+                path,
+                format=format,
+                certainty_threshold=threshold,
+                calibrator=calibrator,
+            )
+        except Exception as error:  # reported, not timed
+            errors[format] = f"export: {type(error).__name__}: {str(error)[-300:]}"
+            continue
         sizes[format] = _size_mb(path)
         try:
             serve = _runtime(format, path)
             served = serve(inputs[256])["certainty"]
         except Exception as error:  # reported, not timed
-            errors[format] = f"{type(error).__name__}: {str(error)[:300]}"
+            errors[format] = f"runtime: {type(error).__name__}: {str(error)[:300]}"
             continue
         servers[format] = serve
         differences[format] = float(np.max(np.abs(served - certainty)))
@@ -175,7 +182,7 @@ def measure(windows):
             {
                 "backend": backend,
                 "runtime": name,
-                "size_mb": sizes[name],
+                "size_mb": sizes.get(name),
                 "error": error,
             }
         )
@@ -231,9 +238,10 @@ def table(records):
                 for r in records
                 if r["backend"] == backend and r["runtime"] == runtime
             ]
-            lines.append(
-                f"| {backend} | {runtime} | fails to run | | {failed['size_mb']:.1f} | |"
-            )
+            stage = failed["error"].split(":")[0]  # "export" or "runtime"
+            size = "" if failed["size_mb"] is None else f"{failed['size_mb']:.1f}"
+            what = "fails to export" if stage == "export" else "fails to run"
+            lines.append(f"| {backend} | {runtime} | {what} | | {size} | |")
             continue
         first = by_size[BATCH_SIZES[0]]
         size = "" if first["size_mb"] is None else f"{first['size_mb']:.1f}"

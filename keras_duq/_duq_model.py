@@ -543,9 +543,10 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
         `accept` False (its `predictions` value means nothing).
 
         Formats, by backend: `"tf_saved_model"` from TensorFlow and JAX
-        (JAX through `jax2tf`); `"onnx"` from all three; `"litert"` and
-        `"openvino"` from TensorFlow (OpenVINO reads the ONNX file from the
-        others); `"torch"` (`torch.export`) from PyTorch. Another format
+        (JAX through `jax2tf`); `"onnx"` and `"openvino"` from all three
+        (from JAX and PyTorch, OpenVINO's file is converted from the ONNX
+        export); `"litert"` from TensorFlow; `"torch"` (`torch.export`)
+        from PyTorch. Another format
         raises a `ValueError` that says what works. The outputs are named
         as above in every format (ONNX and `torch` list them in the order
         of their names). The SavedModel's `serving_default` signature

@@ -36,23 +36,17 @@ if TYPE_CHECKING:
 SINGLE_INPUT_NAME = "inputs"
 
 # The formats `DUQModel.export` writes with the DUQ serving outputs, by
-# backend: those where Keras's exporter converts the serving model. Left
-# out: OpenVINO on JAX (Keras's export fails there on any model, JAX 0.10)
-# and on PyTorch (its tracer refuses a dict of outputs), which read the
-# ONNX file instead; LiteRT on PyTorch (it needs litert-torch).
+# backend. Keras's OpenVINO export fails on JAX (on any model, JAX 0.10)
+# and on PyTorch (its tracer refuses a dict of outputs), so there the
+# OpenVINO file is converted from the ONNX export (`_OPENVINO_FROM_ONNX`).
+# Left out: LiteRT on JAX and PyTorch (Keras writes it from TensorFlow;
+# PyTorch would need litert-torch).
 SERVING_FORMATS = {
     "tensorflow": ("tf_saved_model", "onnx", "litert", "openvino"),
-    "jax": ("tf_saved_model", "onnx"),
-    "torch": ("onnx", "torch"),
+    "jax": ("tf_saved_model", "onnx", "openvino"),
+    "torch": ("onnx", "openvino", "torch"),
 }
-
-# What to do instead, for a format a backend does not write.
-_INSTEAD = {
-    "openvino": (
-        "OpenVINO reads the ONNX file: export with `format='onnx'` and "
-        "load it with `openvino.Core().compile_model('duq.onnx')`"
-    ),
-}
+_OPENVINO_FROM_ONNX = ("jax", "torch")
 
 # Options of Keras's own `tf_saved_model` export that apply here, by backend.
 _BACKEND_OPTIONS = {"jax": ("is_static", "jax2tf_kwargs")}
@@ -79,7 +73,11 @@ _FORMAT_MODULES = {
         None: ("tensorflow", "onnx", "tf2onnx"),
     },
     "torch": {None: ("torch",)},
-    "openvino": {None: ("openvino",)},
+    "openvino": {
+        "torch": ("openvino", "onnx", "onnxscript"),
+        "jax": ("openvino", "onnx", "jax2onnx"),
+        None: ("openvino",),
+    },
     "litert": {None: ("tensorflow",)},
 }
 
@@ -93,13 +91,11 @@ def check_serving_format(format: str) -> None:
     if backend == "torch" and format == "tf_saved_model":
         raise ValueError(_TORCH_MESSAGE)
     elsewhere = [name for name, served in SERVING_FORMATS.items() if format in served]
-    instead = _INSTEAD.get(format) if "onnx" in formats else None
     raise ValueError(
         f"`DUQModel.export(format={format!r})` is not supported on the {backend} "
         f"backend, which exports the DUQ serving outputs as "
         f"{', '.join(repr(name) for name in formats)}. "
-        + (f"{instead}; or save " if instead else "Save ")
-        + "the model with `model.save('duq.keras')`, load it in a process "
+        "Save the model with `model.save('duq.keras')`, load it in a process "
         f"started with `KERAS_BACKEND={elsewhere[0]}` with "
         "`keras.models.load_model('duq.keras')` and export it there. "
         f"Received: `format={format!r}`"
@@ -380,6 +376,47 @@ def export_serving_model(
         input_signature = [
             serving_input_signature(model.feature_extractor.input, spec_type="keras")
         ]
+    if format == "openvino" and keras.backend.backend() in _OPENVINO_FROM_ONNX:
+        import tempfile
+
+        import onnx
+        import openvino
+
+        with tempfile.TemporaryDirectory() as folder:
+            onnx_path = os.path.join(folder, "duq.onnx")
+            export_serving_model(
+                model,
+                onnx_path,
+                "onnx",
+                input_signature=input_signature,
+                certainty_threshold=certainty_threshold,
+                calibrator=calibrator,
+                top_k=top_k,
+                **kwargs,
+            )
+            ov_model = openvino.convert_model(onnx_path)
+            # Only the serving names: OpenVINO's CPU plugin drops a final
+            # `Convert` (the int64 `predictions`) and merges the names of its
+            # input (`jnp_argmax_tmp_0`) into the output's.
+            graph = onnx.load(onnx_path).graph
+            names = [
+                (port, value.name)
+                for ports, values in (
+                    (ov_model.inputs, graph.input),
+                    (ov_model.outputs, graph.output),
+                )
+                for port, value in zip(ports, values)
+            ]
+            for op in ov_model.get_ops():
+                for port in op.outputs():
+                    port.get_tensor().set_names(set())
+            for port, name in names:
+                port.get_tensor().set_names({name})
+            # `serialize`, as Keras's own OpenVINO export: float32 weights.
+            openvino.serialize(ov_model, str(filepath))
+        if verbose:
+            print(f"Saved OpenVINO IR at '{filepath}'.")
+        return
     serving_model = DUQServingModel(model, certainty_threshold, calibrator, top_k)
     if format == "torch" and "dynamic_shapes" not in kwargs:
         kwargs["dynamic_shapes"] = _torch_batch_dims(input_signature)

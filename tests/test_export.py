@@ -372,7 +372,7 @@ def test_export_refuses_an_unfitted_calibrator(tmp_path):
 def test_a_format_this_backend_does_not_write_says_what_works(tmp_path):
     from keras_duq._export import SERVING_FORMATS
 
-    format = next(f for f in ("torch", "openvino") if f not in SERVING_FORMATS[BACKEND])
+    format = next(f for f in ("torch", "litert") if f not in SERVING_FORMATS[BACKEND])
     model = _model()
     path = tmp_path / f"duq.{format}"
     with pytest.raises(
@@ -382,8 +382,6 @@ def test_a_format_this_backend_does_not_write_says_what_works(tmp_path):
     message = str(error.value)
     assert all(repr(name) in message for name in SERVING_FORMATS[BACKEND])
     assert "KERAS_BACKEND=" in message and "model.save('duq.keras')" in message
-    if format == "openvino":  # JAX and PyTorch: OpenVINO reads their ONNX
-        assert "format='onnx'" in message
     assert not path.exists()
 
 
@@ -479,8 +477,9 @@ def test_each_format_serves_the_duq_outputs_in_its_runtime(tmp_path, format, pre
     finite = np.arange(len(x)) != 4
     # float16 has 11 significant bits, and runtimes round its intermediates
     # at other points: their squared distances differ by a few of its units,
-    # so log kernel values differ by about 1e-3 of the distance (measured:
-    # up to 7e-3 with onnxruntime and OpenVINO; 1e-5 in float32).
+    # so log kernel values (minus a scaled squared distance) differ by about
+    # 1e-3 of themselves (measured: up to 8e-4 relative, 3e-2 absolute with
+    # onnxruntime and OpenVINO; 1e-5 in float32).
     rtol = 1e-5 if precision == "float32" else 2e-2
     # Batch sizes 256 (the NaN row among them), 1, and 1 that is the NaN row.
     for rows in (np.arange(len(x)), np.array([0]), np.array([4])):
@@ -502,10 +501,12 @@ def test_each_format_serves_the_duq_outputs_in_its_runtime(tmp_path, format, pre
                 served["kernel_values"][ok], expected[ok], rtol=rtol, atol=1e-7
             )
         else:
+            # Relative to the log (a squared distance, rounded at float16's
+            # 1e-3) and absolute near zero.
             np.testing.assert_allclose(
                 np.log(served["kernel_values"][ok]),
                 np.log(expected[ok]),
-                rtol=0,
+                rtol=2e-3,
                 atol=rtol,
             )
         np.testing.assert_allclose(
