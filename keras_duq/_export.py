@@ -434,6 +434,40 @@ def export_serving_model(
             input_signature,
         )
         _name_onnx_outputs(str(filepath), sorted(serving_model(*sample)))
+        if keras.backend.backend() == "jax":
+            _check_onnx_runs(str(filepath), sample)
+
+
+def _check_onnx_runs(path: str, sample: Any) -> None:
+    """Removes an ONNX file that onnxruntime cannot run and says why.
+
+    jax2onnx can write graphs that convert without error and fail only when
+    run (0.17 writes Keras's max pooling as a `MaxPool` with a 4-D window);
+    one row of zeros finds them before a server does.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("onnxruntime") is None:
+        return
+    import numpy as np
+    import onnxruntime
+
+    try:
+        session = onnxruntime.InferenceSession(path)
+        arrays = [np.asarray(x) for x in keras.tree.flatten(sample)]
+        session.run(None, {i.name: a for i, a in zip(session.get_inputs(), arrays)})
+    except Exception as error:  # onnxruntime raises its own exception types
+        os.remove(path)
+        raise ValueError(
+            "`DUQModel.export(format='onnx')` on the JAX backend wrote an ONNX "
+            "file that onnxruntime cannot run, so it was removed: "
+            f"{str(error).strip()[:300]} (jax2onnx 0.17, for example, writes "
+            "Keras's `MaxPooling` layers as a `MaxPool` that onnxruntime and "
+            "OpenVINO reject). Save the model with `model.save('duq.keras')`, "
+            "load it in a process started with `KERAS_BACKEND=tensorflow` (or "
+            "`torch`) with `keras.models.load_model('duq.keras')` and export it "
+            "there. Received: `format='onnx'` on the JAX backend."
+        ) from error
 
 
 def _name_onnx_outputs(path: str, names: list[str]) -> None:

@@ -385,6 +385,38 @@ def test_a_format_this_backend_does_not_write_says_what_works(tmp_path):
     assert not path.exists()
 
 
+@pytest.mark.requires_backend("jax")
+def test_an_onnx_file_from_jax_that_does_not_run_is_an_error(tmp_path):
+    """No file that fails only in the server: the export runs it once."""
+    pytest.importorskip("jax2onnx")
+    import onnxruntime
+
+    inputs = keras.Input((8, 8, 1))
+    x = keras.layers.Conv2D(4, 3)(inputs)
+    x = keras.layers.MaxPooling2D()(x)  # the layer jax2onnx 0.17 mistranslates
+    backbone = keras.Model(inputs, keras.layers.Flatten()(x))
+    model = keras_duq.wrap(backbone, num_classes=3)
+    path = tmp_path / "duq.onnx"
+    x = np.random.default_rng(0).normal(size=(4, 8, 8, 1)).astype("float32")
+    try:
+        model.export(str(path), format="onnx")
+    except ValueError as error:
+        assert "onnxruntime cannot run" in str(error)
+        assert "KERAS_BACKEND=tensorflow" in str(error)
+        assert not path.exists()
+        return
+    # A jax2onnx that writes this model correctly: the file serves it.
+    session = onnxruntime.InferenceSession(str(path))
+    names = [output.name for output in session.get_outputs()]
+    outputs = dict(zip(names, session.run(None, {"inputs": x})))
+    np.testing.assert_allclose(
+        outputs["certainty"],
+        model.predict(x, verbose=0).max(axis=1),
+        rtol=1e-5,
+        atol=1e-7,
+    )
+
+
 # ------------------------------- the other formats, each in its own runtime
 
 
