@@ -113,9 +113,10 @@ def plain_mlp_backbone():
 # DUQ, with and without the penalty
 #
 # `keras_duq.wrap` puts the DUQ head on any backbone that outputs
-# `(batch, features)`. The settings are the paper's for two moons: centroids of
-# size 10, length scale 0.3, centroid momentum 0.99, penalty weight 1.0. The
-# loss is built in: `compile` takes only the optimizer.
+# `(batch, features)`. The problem-specific settings are the paper's for two
+# moons: centroids of size 10, length scale 0.3, centroid momentum 0.99,
+# penalty weight 1.0, `W` drawn from a unit normal; the rest are the library's
+# defaults. The loss is built in: `compile` takes only the optimizer.
 
 
 def train(backbone, gradient_penalty):
@@ -127,7 +128,6 @@ def train(backbone, gradient_penalty):
         momentum=0.99,
         kernel_initializer=keras.initializers.RandomNormal(stddev=1.0),
         gradient_penalty=gradient_penalty,
-        **keras_duq.PAPER_SETTINGS,  # the paper's loss, W at the optimizer's rate
     )
     model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9))
     model.fit(x_train, y_train, batch_size=64, epochs=epochs, verbose=0)

@@ -49,6 +49,24 @@ def fashion_mnist_dir():
 
 
 @pytest.fixture(scope="session")
+def clinc150_path():
+    """CLINC150's `data_full.json` (150 intents and out-of-scope queries)."""
+    return _existing(DATA_DIR / "clinc150" / "data_full.json")
+
+
+@pytest.fixture(scope="session")
+def cifar10_zip():
+    """All 60,000 CIFAR-10 images as JPEG, in one uncompressed zip."""
+    return _existing(DATA_DIR / "cifar10" / "cifar10_jpg.zip")
+
+
+@pytest.fixture(scope="session")
+def tiny_imagenet_resize_path():
+    """The 10,000 Tiny-ImageNet test images at 32x32 (an OoD set for CIFAR-10)."""
+    return _existing(DATA_DIR / "tiny_imagenet" / "test_resize32.npz")
+
+
+@pytest.fixture(scope="session")
 def keras_home():
     """The Keras home in use, skipping when it cannot serve FashionMNIST offline.
 

@@ -66,6 +66,19 @@ def test_bring_your_own_backbone(monkeypatch, keras_home, mnist_dir):
     assert result["model"].duq_output.centroids.shape == (256, 10)
 
 
+def test_clinc150(monkeypatch, clinc150_path):
+    argv = ["--quick", "--data", str(clinc150_path)]
+    result = run_example("clinc150.py", argv, monkeypatch)
+    assert [(r["method"], r["seed"]) for r in result["results"]] == [
+        ("duq", 0),
+        ("softmax", 0),
+    ]
+    for scores in result["results"]:
+        assert 0.0 <= scores["accuracy"] <= 1.0 and 0.0 <= scores["auroc"] <= 1.0
+        assert 0.0 <= scores["oos_refused"] <= 1.0
+    assert len(result["ids_oos"]) == 1000 and len(result["ids_test"]) == 4500
+
+
 @pytest.mark.requires_backend("tensorflow")  # SavedModel from TensorFlow
 def test_serving(tmp_path, monkeypatch):
     result = run_example(
