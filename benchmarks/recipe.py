@@ -1,4 +1,4 @@
-"""The library's defaults beyond FashionMNIST: small data, text intents, two moons.
+"""The library's defaults beyond FashionMNIST: small data, text, two moons, images.
 
 Each problem is trained with `keras_duq.wrap`'s defaults (plus the
 problem-specific arguments a problem names, e.g. two moons' head) and,
@@ -9,10 +9,18 @@ record to `--output`.
     python -m benchmarks.recipe --problem clinc150 --seeds 0 1 2 --softmax
     python -m benchmarks.recipe --problem two_moons --seeds $(seq 0 19)
     python -m benchmarks.recipe --problem two_moons --seeds 0 1 2 --set gradient_penalty=0
+    python -m benchmarks.recipe --problem cifar10 --seeds 0 1 2 --softmax
+    python -m benchmarks.recipe --problem cifar10 --seeds 0 1 2 --preset paper \
+        --set gradient_penalty=0.5 --label "paper preset"
+    TINY_IMAGENET_DIR=/data/tiny-imagenet-200 python -m benchmarks.recipe \
+        --problem tiny_imagenet --seeds 0 --softmax
 
 `--set name=value` overrides one `wrap` argument (a Python literal), to
 compare a candidate default with the current one in the same run;
-`--epochs` shortens a problem's budget for a quick look. The runs behind
+`--preset paper` starts from `keras_duq.PAPER_SETTINGS`; `--softmax-only`
+skips DUQ; `--epochs` shortens a problem's budget for a quick look. A DUQ
+run that stops on a non-finite update is recorded as `failed`, with the
+epochs it completed. The runs behind
 docs/beyond_fashion_mnist.md are in `reproduction/results/recipe/`.
 
 Problems:
@@ -34,6 +42,20 @@ Problems:
   `centroid_dims=10`, `length_scale=0.3`, `momentum=0.99`, penalty 1.0, `W ~
   N(0, 1)`, SGD 0.01 momentum 0.9, 30 epochs, batch 64) and the library's
   defaults otherwise; the demo's bar of `reproduction.two_moons`.
+- `cifar10`: CIFAR-10 from `../shared/data/cifar10/cifar10_jpg.zip`, 500
+  training images per class (a seeded draw: 5,000 of 50,000), tested on the
+  10,000 test images against the 10,000 Tiny-ImageNet test images at 32x32
+  (`../shared/data/tiny_imagenet/test_resize32.npz`). A ResNet-20-like
+  backbone (`small_resnet`: widths 16 / 32 / 64, two blocks per stage,
+  BatchNormalization, a random horizontal flip), per-channel
+  standardisation, SGD 0.05 momentum 0.9 with a cosine decay over the run
+  (softmax gets weight decay 1e-4 from the optimizer; DUQ has its own),
+  batch 128, 10 epochs.
+- `tiny_imagenet`: Tiny-ImageNet-200 rebuilt in `$TINY_IMAGENET_DIR`
+  (reproduction/shared_data.py), 200 classes, the first 50 training images
+  of each (10,000 of 100,000) box-resized to 32x32, tested on the 10,000
+  validation images against the CIFAR-10 test images; the same backbone,
+  optimizer and budget as `cifar10`.
 """
 
 from __future__ import annotations

@@ -103,7 +103,6 @@ model = keras_duq.wrap(
     length_scale=0.1,
     momentum=0.99,
     gradient_penalty=0.1,
-    categorical_cross_entropy_weight=0.0,  # the loss this recipe is measured with
 )
 steps = epochs * int(np.ceil(num_train / 64))
 learning_rate = keras.optimizers.schedules.CosineDecay(0.05, decay_steps=steps)
