@@ -10,6 +10,7 @@ from keras import ops
 from keras_duq import _ops
 from keras_duq import _trainer
 from keras_duq._typing import Tensor
+from keras_duq._validation import NON_FINITE_CENTROID_MESSAGE
 from keras_duq._validation import check_int
 
 DEFAULT_KERNEL_INITIALIZER = "he_normal"
@@ -351,8 +352,8 @@ class DUQOutput(keras.layers.Layer):
         only in a custom training loop. Under a `tf.distribute` strategy the
         per-class counts and sums are summed over all replicas first, so the
         update uses the global batch and every replica keeps the same state.
-        On TensorFlow, an update that would not be finite raises instead of
-        changing the centroids.
+        An update that would not be finite raises instead of changing the
+        centroids (a ValueError; on TensorFlow, its `InvalidArgumentError`).
 
         Args:
             features: `(batch, features)` backbone output, computed in
@@ -364,7 +365,10 @@ class DUQOutput(keras.layers.Layer):
 
             _tensorflow_trainer.assign_centroid_state(self, features, labels_one_hot)
             return
-        counts, sums, _ = _trainer.centroid_update(self, features, labels_one_hot)
+        counts, sums, finite = _trainer.centroid_update(self, features, labels_one_hot)
+        # Eager on JAX and PyTorch: check before assigning, as TensorFlow does.
+        if not bool(keras.ops.convert_to_numpy(finite)):
+            raise ValueError(NON_FINITE_CENTROID_MESSAGE)
         self.centroid_counts.assign(counts)
         self.centroid_sums.assign(sums)
 

@@ -226,6 +226,18 @@ def test_shared_head_distances_stay_exact_far_from_the_origin():
     np.testing.assert_allclose(own, -(0.01**2) / (2 * 0.1**2), rtol=1e-2)
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_update_centroids_refuses_a_non_finite_update_on_every_backend(bad):
+    layer = _layer(momentum=0.9)
+    features = _features()
+    features[2, 1] = bad
+    before = [keras.ops.convert_to_numpy(v).copy() for v in layer.non_trainable_weights]
+    with pytest.raises(Exception, match="centroid update is not finite"):
+        layer.update_centroids(features, np.eye(3, dtype="float32")[[0, 1, 1, 2, 2, 2]])
+    for old, variable in zip(before, layer.non_trainable_weights):
+        np.testing.assert_array_equal(old, keras.ops.convert_to_numpy(variable))
+
+
 def test_shared_head_update_centroids_is_one_moving_average_step():
     layer = _layer(head="shared", momentum=0.9)
     features = _features()
