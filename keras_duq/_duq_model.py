@@ -96,8 +96,10 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
 
     1. Forward pass in training mode; the loss is the binary cross-entropy of
        each kernel value against the one-hot label (computed in log space),
-       averaged over classes and batch, plus `gradient_penalty` times the
-       penalty on `||grad_x sum_c K_c||_2` (double backprop: a nested
+       averaged over classes and batch, plus
+       `categorical_cross_entropy_weight` times a categorical cross-entropy
+       over minus the distances to the centroids, plus `gradient_penalty`
+       times the penalty on `||grad_x sum_c K_c||_2` (double backprop: a nested
        `tf.GradientTape`, `jax.grad` or `torch.autograd.grad` with
        `create_graph=True`), plus the coupled L2 weight decay. The penalty's
        gradient is exact through `BatchNormalization` and

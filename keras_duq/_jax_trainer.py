@@ -7,9 +7,10 @@ training step:
 1. Forward pass in training mode under `keras.StatelessScope`. With the
    penalty on, `jax.grad` of `sum_c K_c` with respect to the float inputs
    gives the input gradient whose norm is penalised; an outer `jax.grad`
-   differentiates the objective (cross-entropy + `lambda` * penalty + coupled
-   L2 weight decay) through it: double backprop by nested differentiation,
-   exact through BatchNormalization (JAX differentiates `jnp.var` exactly).
+   differentiates the objective (binary cross-entropy + the categorical term +
+   `lambda` * penalty + coupled L2 weight decay) through it: double backprop
+   by nested differentiation, exact through BatchNormalization (JAX
+   differentiates `jnp.var` exactly).
 2. Optimizer step (`optimizer.stateless_apply`), then the centroid update
    from features recomputed in inference mode with the new weights. Under
    `keras.distribution.DataParallel` the batch is one global, sharded array,

@@ -8,7 +8,8 @@ One training step:
 2. `_trainer.objective` in training mode. With the penalty on, a nested
    `tf.GradientTape` takes the input gradient of `sum_c K_c`, whose norm is
    penalised (double backprop). The outer tape differentiates the objective:
-   cross-entropy + `lambda` * penalty + coupled L2 weight decay.
+   binary cross-entropy + the categorical term + `lambda` * penalty + coupled
+   L2 weight decay.
 3. Guard: a step whose loss, gradients or layer state written in the
    forward pass (BatchNorm's statistics, spectrally normalised kernels;
    restored from a copy) are not finite is never applied. Under a

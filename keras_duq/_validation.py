@@ -89,7 +89,8 @@ def label_shape_message(num_classes: int, shape: Any) -> str:
 def own_loss_message(loss: Any) -> str:
     return (
         "DUQModel computes its own loss (binary cross-entropy on the kernel "
-        "values plus the gradient penalty). Remove `loss` from `compile()`. "
+        "values, the categorical term over distances to the centroids and the "
+        "gradient penalty). Remove `loss` from `compile()`. "
         f"Received: `loss={loss!r}`"
     )
 
