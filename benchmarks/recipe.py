@@ -339,7 +339,7 @@ def run(problem, seed, method, overrides, epochs=None):
         )
     except Exception as error:
         # DUQ stops training on a non-finite update: a measured outcome.
-        if "not finite" not in str(error):
+        if "non-finite" not in str(error):
             raise
         return {
             "problem": problem,
