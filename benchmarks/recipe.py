@@ -15,6 +15,8 @@ record to `--output`.
     TINY_IMAGENET_DIR=/data/tiny-imagenet-200 python -m benchmarks.recipe \
         --problem tiny_imagenet --seeds 0 --softmax
 
+`--summarize FILE ...` prints the records as one markdown table (per
+problem and label: seeds, failed runs, the per-seed values and their mean).
 `--set name=value` overrides one `wrap` argument (a Python literal), to
 compare a candidate default with the current one in the same run;
 `--preset paper` starts from `keras_duq.PAPER_SETTINGS`; `--softmax-only`
@@ -393,9 +395,50 @@ def run(problem, seed, method, overrides, epochs=None):
     return record
 
 
+def summarize(paths):
+    """Markdown rows: per problem and label, the seeds and the mean of each metric."""
+    groups = {}
+    for path in paths:
+        with open(path) as f:
+            for line in f:
+                record = json.loads(line)
+                key = (record["problem"], record.get("label", record["method"]))
+                groups.setdefault(key, []).append(record)
+    rows = [
+        "| problem | settings | seeds | failed | train accuracy | test accuracy "
+        "| OoD AUROC | FPR at 95% TPR |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+
+    def mean(records, name):
+        values = [r[name] for r in records if r.get(name) is not None]
+        if not values:
+            return "-"
+        per_seed = " / ".join(f"{v:.3f}" for v in values)
+        return f"{per_seed} ({np.mean(values):.3f})" if len(values) > 1 else per_seed
+
+    for (problem, label), records in groups.items():
+        seeds = ", ".join(str(r["seed"]) for r in records)
+        failed = sum("failed" in r for r in records)
+        cells = [
+            mean(records, name)
+            for name in (
+                "train_accuracy",
+                "test_accuracy",
+                "ood_auroc",
+                "ood_fpr_at_95_tpr",
+            )
+        ]
+        rows.append(
+            f"| {problem} | {label} | {seeds} | {failed} | " + " | ".join(cells) + " |"
+        )
+    return "\n".join(rows)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--problem", choices=sorted(PROBLEMS), required=True)
+    parser.add_argument("--summarize", nargs="+", metavar="JSONL", default=None)
+    parser.add_argument("--problem", choices=sorted(PROBLEMS), required=False)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--softmax", action="store_true", help="Also a softmax head.")
     parser.add_argument(
@@ -414,6 +457,11 @@ def main(argv=None):
     )
     parser.add_argument("--output", default=None, help="JSONL file to append to.")
     args = parser.parse_args(argv)
+    if args.summarize:
+        print(summarize(args.summarize))
+        return
+    if args.problem is None:
+        parser.error("--problem is required (or --summarize)")
     overrides = dict(keras_duq.PAPER_SETTINGS) if args.preset == "paper" else {}
     for item in args.set:
         name, value = item.split("=", 1)

@@ -374,3 +374,43 @@ def test_many_classes_measures_both_heads_and_names_what_it_did_not_build(tmp_pa
     for record in (per_class, shared, many):
         assert record["train_step_ms"] > 0 and record["softmax_train_step_ms"] > 0
         assert record["peak_rss_gb"] > 0
+
+
+def test_recipe_summary_averages_each_label_and_counts_failed_runs(tmp_path):
+    from benchmarks import recipe
+
+    records = [
+        {
+            "problem": "cifar10",
+            "method": "softmax",
+            "label": "softmax",
+            "seed": s,
+            "train_accuracy": 0.6,
+            "test_accuracy": acc,
+            "ood_auroc": 0.6,
+            "ood_fpr_at_95_tpr": 0.9,
+        }
+        for s, acc in ((0, 0.5), (1, 0.7))
+    ] + [
+        {
+            "problem": "cifar10",
+            "method": "duq",
+            "label": "defaults",
+            "seed": 0,
+            "failed": "non-finite update in epoch 1",
+        }
+    ]
+    path = tmp_path / "runs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    rows = recipe.summarize([str(path)]).splitlines()
+    assert "| cifar10 | softmax | 0, 1 | 0 |" in rows[2]
+    assert "0.500 / 0.700 (0.600)" in rows[2]
+    assert rows[3] == "| cifar10 | defaults | 0 | 1 | - | - | - | - |"
+
+
+def test_recipe_small_resnet_maps_images_to_pooled_features():
+    from benchmarks import recipe
+
+    backbone = recipe.small_resnet((32, 32, 3))
+    features = backbone(np.zeros((2, 32, 32, 3), "float32"))
+    assert tuple(features.shape) == (2, 64)
