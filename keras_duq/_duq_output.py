@@ -120,20 +120,21 @@ class DUQOutput(keras.layers.Layer):
             `RandomNormal(stddev=1.0)`, see the README).
         trainable_length_scale: bool, whether to learn one length scale per
             class by gradient descent. Defaults to `False`. The length
-            scales learn at the optimizer's full rate: on FashionMNIST they
-            rose from 0.1 to about 0.2 over 3 epochs of Adam (1e-3), but ran
-            to 3-16 within the first epoch of SGD (0.05, momentum 0.9),
-            which cost 0.12 to 0.22 of test accuracy (docs/own_model.md).
+            scales learn at the optimizer's full rate: with Adam at its
+            default rate they settle, with SGD at the paper's rate they can
+            grow far past a useful scale (measured in docs/own_model.md).
         trainable_projection: bool, whether `W` is learned (as in the
             paper) or stays at its random initial value, a fixed random
             projection of the features. Defaults to `True`.
         projection_learning_rate: float > 0, the rate at which `W` learns,
             as a multiple of the optimizer's learning rate. Defaults to
-            `0.1`: `W` stays closer to its random initial value, which kept
+            `0.1`: `W` stays closer to its random initial value, which keeps
             more of the separation of out-of-distribution inputs that the
-            backbone's features hold, at a small cost in accuracy on some
-            backbones (docs/own_model.md). `1.0` trains `W` like every other
-            weight, as the paper does. Exact for optimizers whose step is
+            backbone's features hold (docs/own_model.md). `1.0` trains `W`
+            like every other weight, as the paper does; use it where a slow
+            `W` cannot follow the backbone, e.g. a BatchNormalization ResNet
+            under SGD at the paper's rate, whose training otherwise stops on
+            a non-finite update (docs/beyond_fashion_mnist.md). Exact for optimizers whose step is
             proportional to the learning rate (SGD, Adam and their kin):
             `kernel` holds `W / projection_learning_rate`, and the layer
             multiplies it back.

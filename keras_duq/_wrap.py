@@ -120,18 +120,18 @@ def wrap(
             backbone's features come straight out of a dropout layer (3 at
             rate 0.5).
         trainable_length_scale: bool, learn one length scale per class, at
-            the optimizer's full rate (see `DUQOutput`: with SGD at 0.05
-            they grew too fast). Defaults to `False`.
+            the optimizer's full rate (see `DUQOutput`). Defaults to
+            `False`.
         bias_correction: bool, bias-correct the centroid moving average
             (see `DUQOutput`). Defaults to `False`.
         trainable_projection: bool, learn the per-class projections `W`
             (as in the paper), or keep them at their random initial values
             (see `DUQOutput`). Defaults to `True`.
         projection_learning_rate: float > 0, the rate at which `W` learns,
-            as a multiple of the optimizer's. Defaults to `0.1`, which kept
-            more separation of out-of-distribution inputs on every backbone
-            measured (see `DUQOutput` and docs/own_model.md); `1.0` is the
-            paper's.
+            as a multiple of the optimizer's. Defaults to `0.1`, which keeps
+            more separation of out-of-distribution inputs; `1.0` is the
+            paper's, and what a BatchNormalization ResNet under SGD needs
+            (see `DUQOutput`).
         head: `"auto"` (default), `"per_class"` (the paper's: one
             projection per class) or `"shared"` (one projection for all
             classes, for many classes); `"auto"` takes the per-class head
