@@ -1246,9 +1246,9 @@ class RecomputeBatchNormStatistics(keras.callbacks.Callback):
     BatchNormalization `momentum=0.99`, leaves the moving statistics behind
     the weights, and inference mode (`evaluate`, `predict`) computes what
     training never saw (measured in docs/own_model.md). The weights go on
-    training with each batch's own statistics and the moving averages go on from the re-estimated values;
-    a DUQ model's centroid updates, which compute features in inference
-    mode, use them from the next step on.
+    training with each batch's own statistics and the moving averages go on
+    from the re-estimated values; a DUQ model's centroid updates, which
+    compute features in inference mode, use them from the next step on.
 
     `DUQModel.fit` runs this callback before its other callbacks, so that
     they see the re-estimated statistics; with `health_checks=False`, or
