@@ -2,20 +2,21 @@
 
 MobileNetV2 (alpha 0.35, from scratch, 32x32 RGB in [-1, 1]) under
 `mixed_bfloat16`, its BatchNormalization momentum lowered to 0.9, wrapped with
-`keras_duq.wrap(backbone, 10, momentum=0.99)`, trained on the notebook's 6,000
-FashionMNIST training images with batch 64 and either SGD with momentum 0.9
-and a cosine decay from 0.05 (`--optimizer sgd`) or Adam at its default rate
-(`--optimizer adam`); `--head softmax` puts a `Dense(10, "softmax")` on the
-same backbone instead, `--policy float32` trains without mixed precision,
-`--penalty-start-epoch 2` trains the first epoch without the gradient penalty,
-`--recompute-callback` re-estimates BatchNormalization statistics after every
-epoch (`keras_duq.callbacks.RecomputeBatchNormStatistics` on 2,000 training
-images).
-The notebook reads PNG files through
-`tensorflow_datasets`; this reads the same images as arrays. After each epoch:
-test accuracy on the notebook's 1,000 test images, training accuracy, median
-certainty and the AUROC of the certainty against 1,000 MNIST test digits.
-One run per call, appended as one JSON line to `--output`.
+`keras_duq.wrap(backbone, 10, momentum=0.99)` with the paper's loss
+(`categorical_cross_entropy_weight=0`, unless `--wrap-json` says otherwise),
+trained on the notebook's 6,000 FashionMNIST training images with batch 64 and
+either SGD with momentum 0.9 and a cosine decay from 0.05 (`--optimizer sgd`)
+or Adam at its default rate (`--optimizer adam`); `--head softmax` puts a
+`Dense(10, "softmax")` on the same backbone instead, `--policy float32` trains
+without mixed precision, `--penalty-start-epoch 2` trains the first epoch
+without the gradient penalty, `--recompute-callback` re-estimates
+BatchNormalization statistics after every epoch
+(`keras_duq.callbacks.RecomputeBatchNormStatistics` on 2,000 training images).
+The notebook reads PNG files through `tensorflow_datasets`; this reads the
+same images as arrays. After each epoch: test accuracy on the notebook's 1,000
+test images, training accuracy, median certainty and the AUROC of the
+certainty against 1,000 MNIST test digits. One run per call, appended as one
+JSON line to `--output`.
 
 Example:
 
@@ -84,7 +85,9 @@ def build(optimizer, epochs, head="duq", wrap_kwargs=None, feature_layer="none")
             metrics=["accuracy"],
         )
         return model
-    # The notebook's recipe, with the paper's loss (as the notebook has it).
+    # The recipe's DUQ rows use the paper's loss; `--wrap-json
+    # '{"categorical_cross_entropy_weight": 1.0}'` gives the library's default,
+    # which the notebook and examples/bring_your_own_backbone.py use.
     recipe = {"momentum": 0.99, "categorical_cross_entropy_weight": 0.0}
     model = keras_duq.wrap(backbone, 10, **{**recipe, **(wrap_kwargs or {})})
     model.compile(optimizer=optimizer)
