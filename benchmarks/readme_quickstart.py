@@ -28,6 +28,7 @@ import time
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 MNIST_LINE = "(_, _), (x_ood, _) = keras.datasets.mnist.load_data()"
 SEED_LINE = "keras.utils.set_random_seed(0)"
+WRAP_CALL = "keras_duq.wrap(backbone, num_classes=10"
 
 
 def quickstart_code(readme: str = README.read_text()) -> str:
@@ -37,8 +38,13 @@ def quickstart_code(readme: str = README.read_text()) -> str:
     return match.group(1)
 
 
-def run(seed: int, mnist_path: str | None) -> dict:
+def run(seed: int, mnist_path: str | None, wrap_arguments: str = "") -> dict:
     code = quickstart_code()
+    if wrap_arguments:
+        # A candidate default, measured on the quickstart as written otherwise.
+        if WRAP_CALL not in code:
+            raise ValueError(f"The quickstart no longer contains {WRAP_CALL!r}.")
+        code = code.replace(WRAP_CALL, f"{WRAP_CALL}, {wrap_arguments}")
     if mnist_path:
         if MNIST_LINE not in code:
             raise ValueError(f"The quickstart no longer contains {MNIST_LINE!r}.")
@@ -65,13 +71,18 @@ def main(argv=None) -> dict:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--mnist-path", default=None)
     parser.add_argument("--output", default=None)
+    parser.add_argument(
+        "--wrap-arguments",
+        default="",
+        help='More `wrap` arguments, as Python source: "projection_learning_rate=1.0".',
+    )
     args = parser.parse_args(argv)
     import keras
     import tensorflow as tf
 
     import keras_duq
 
-    runs = [run(seed, args.mnist_path) for seed in args.seeds]
+    runs = [run(seed, args.mnist_path, args.wrap_arguments) for seed in args.seeds]
     summary = {
         key: {
             "mean": statistics.mean(r[key] for r in runs),
@@ -84,6 +95,7 @@ def main(argv=None) -> dict:
         "runs": runs,
         "summary": summary,
         "code": quickstart_code(),
+        "wrap_arguments": args.wrap_arguments,
         "keras_duq": keras_duq.__version__,
         "keras": keras.__version__,
         "tensorflow": tf.__version__,
