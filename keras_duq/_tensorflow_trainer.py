@@ -239,6 +239,23 @@ class TensorFlowTrainer(_trainer.Trainer):
     def _forward(self, training):
         return lambda x, probe=None: (self._log_kernel(x, training, probe), None)
 
+    def _log_kernel_and_penalty(self, x, training, with_penalty=True):
+        """Forward pass; with the penalty on, also the per-example penalty.
+
+        Used by the tests that check the penalty's gradient.
+        """
+        if self.gradient_penalty == 0 or not with_penalty:
+            return self._log_kernel(x, training), None
+        log_kernel, penalty, _ = _trainer.log_kernel_and_penalty(
+            self._forward(training),
+            _INPUT_GRADIENTS,
+            x,
+            self.penalty,
+            self._input_gradient_scale(),
+            self.penalty_input is not None,
+        )
+        return log_kernel, penalty
+
     def _input_gradient_scale(self):
         """The loss scale, for the penalty's input gradient too (or `None`)."""
         if not self._uses_loss_scale():
