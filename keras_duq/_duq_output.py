@@ -134,8 +134,9 @@ class DUQOutput(keras.layers.Layer):
             like every other weight, as the paper does; use it where a slow
             `W` cannot follow the backbone, e.g. a BatchNormalization ResNet
             under SGD at the paper's rate, whose training otherwise stops on
-            a non-finite update (docs/beyond_fashion_mnist.md). Exact for optimizers whose step is
-            proportional to the learning rate (SGD, Adam and their kin):
+            a non-finite update (docs/beyond_fashion_mnist.md). Exact for
+            optimizers whose step is proportional to the learning rate (SGD,
+            Adam and their kin):
             `kernel` holds `W / projection_learning_rate`, and the layer
             multiplies it back.
         bias_correction: bool, whether the centroid moving average is
