@@ -11,7 +11,7 @@ of `--steps` steps divided by the steps, after a first call that traces and
 compiles; the report gives the median over rounds, and each model's step
 time over softmax's on the same backend.
 
-    python benchmarks/backend_speed.py --output benchmarks/backend_speed.json
+    python benchmarks/backend_speed.py --output reproduction/results/benchmarks/backend_speed.json
     python benchmarks/backend_speed.py --backends tensorflow torch --steps 5 --rounds 2
 
 Needs the backends it runs (`torch` is not a keras_duq dependency). Every

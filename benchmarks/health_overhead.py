@@ -17,7 +17,8 @@ On a busy machine the pair ratios scatter; the per-step metric updates are
 therefore also timed alone, as a compiled function on tensors of the step's
 shapes.
 
-    python -m benchmarks.health_overhead --output benchmarks/health_overhead.json
+    python -m benchmarks.health_overhead \
+        --output reproduction/results/benchmarks/health_overhead.json
 """
 
 from __future__ import annotations

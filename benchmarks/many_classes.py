@@ -20,7 +20,7 @@ A per-class head larger than `--max-per-class-values` is not built (its
 values and their float32 size are reported instead): at 1,000 classes on
 2048 features it needs about 18 GB.
 
-    python -m benchmarks.many_classes --output benchmarks/many_classes.json
+    python -m benchmarks.many_classes --output reproduction/results/benchmarks/many_classes.json
     python -m benchmarks.many_classes --classes 1000 --batch-size 128  # ImageNet shape
 """
 

@@ -13,7 +13,8 @@ seconds per call over `--windows` interleaved windows after warm-up
 of each export, and the largest absolute difference of its `certainty`
 from `predict`'s.
 
-    KERAS_HOME=../shared/data/keras python -m benchmarks.serving --output benchmarks/serving.json
+    KERAS_HOME=../shared/data/keras python -m benchmarks.serving \
+        --output reproduction/results/benchmarks/serving.json
     python -m benchmarks.serving --backends tensorflow --windows 3   # quicker
 
 Needs the `export` extra (`pip install -e ".[export]"`) and the backends

@@ -10,7 +10,7 @@ this process's CPU time (less sensitive to other work on a shared machine),
 and the ratios.
 
     python -m benchmarks.spectral_normalization_speed \
-        --output benchmarks/spectral_normalization_speed.json
+        --output reproduction/results/benchmarks/spectral_normalization_speed.json
 """
 
 from __future__ import annotations

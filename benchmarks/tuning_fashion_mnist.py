@@ -7,7 +7,7 @@ momentum 0.9, batch 128), 5 epochs per trial; then reproduction/fashion_mnist.py
 trains with the chosen values on the other 55,000 images (30 epochs, the
 paper's schedule) and reports test accuracy and AUROC against MNIST's test
 set. The paper's values: length scale 0.1, penalty 0.05. Writes
-benchmarks/tuning_fashion_mnist.json.
+reproduction/results/benchmarks/tuning_fashion_mnist.json.
 
     KERAS_HOME=../shared/data/keras python -m benchmarks.tuning_fashion_mnist \\
         --mnist-path ../shared/data/mnist
@@ -25,7 +25,7 @@ the quickstart's model for `--final-epochs` epochs (default 10) three times:
 with the search's choice, with `wrap`'s default length scale and penalty,
 and with the paper's (0.1, 0.05); it records test accuracy and AUROC
 against MNIST after every epoch. It writes
-benchmarks/tuning_fashion_mnist_quickstart.json.
+reproduction/results/benchmarks/tuning_fashion_mnist_quickstart.json.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ import keras
 import keras_duq
 
 ROOT = Path(__file__).resolve().parents[1]
+from benchmarks import RESULTS  # noqa: E402
 from benchmarks import own_model_defaults  # noqa: E402
 from reproduction import fashion_mnist  # noqa: E402
 
@@ -307,7 +308,7 @@ def main(argv=None):
         args.final_epochs = 10 if quickstart else 30
     if args.output is None:
         name = "tuning_fashion_mnist" + ("_quickstart" if quickstart else "")
-        args.output = str(ROOT / "benchmarks" / f"{name}.json")
+        args.output = str(RESULTS / f"{name}.json")
     run = run_quickstart_seed if quickstart else run_seed
     runs = []
     for seed in args.seeds:

@@ -6,7 +6,7 @@ garbage-collected before the next, with the resident memory (VmRSS) and the
 number of those models still alive after each. Cases: DUQ, DUQ with
 `keras.backend.clear_session()` before each model, a softmax model on the
 same backbone, each on TensorFlow, and DUQ on JAX. Writes
-benchmarks/tuning_memory.json.
+reproduction/results/benchmarks/tuning_memory.json.
 
     python benchmarks/tuning_memory.py
 """
@@ -18,6 +18,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+from benchmarks import RESULTS
 
 NUM_MODELS = 16
 CASES = (
@@ -118,7 +120,7 @@ def main():
             f"{backend} {case}: {growth:.1f} MB per model, "
             f"{rows[-1]['alive']} of {NUM_MODELS} models alive"
         )
-    path = Path(__file__).with_name("tuning_memory.json")
+    path = RESULTS / "tuning_memory.json"
     path.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {path}")
 

@@ -7,7 +7,7 @@ only), with the demo's backbone (or the paper's MLP), head and optimizer and 10 
 exactly as the demo trains (30 epochs) and checked against the demo's bar
 (test accuracy >= 0.98, mean certainty on far points <= 0.05, AUROC test vs
 far >= 0.99), beside the demo itself with the paper's values (length scale
-0.3, penalty 1.0). Writes benchmarks/tuning_two_moons.json.
+0.3, penalty 1.0). Writes reproduction/results/benchmarks/tuning_two_moons.json.
 
     python -m benchmarks.tuning_two_moons                     # seeds 0 1 2
     python -m benchmarks.tuning_two_moons --backbone paper    # the paper's MLP
@@ -31,6 +31,7 @@ from sklearn.datasets import make_moons
 import keras_duq
 
 ROOT = Path(__file__).resolve().parents[1]
+from benchmarks import RESULTS  # noqa: E402
 from reproduction import two_moons  # noqa: E402
 
 PAPER = {"length_scale": 0.3, "gradient_penalty": 1.0}
@@ -155,11 +156,12 @@ def main(argv=None):
         "--backbone", choices=("residual_sn", "paper"), default="residual_sn"
     )
     parser.add_argument(
-        "--output", help="default: benchmarks/tuning_two_moons[_paper].json"
+        "--output",
+        help="default: reproduction/results/benchmarks/tuning_two_moons[_paper].json",
     )
     args = parser.parse_args(argv)
     suffix = "" if args.backbone == "residual_sn" else f"_{args.backbone}"
-    output = args.output or str(ROOT / "benchmarks" / f"tuning_two_moons{suffix}.json")
+    output = args.output or str(RESULTS / f"tuning_two_moons{suffix}.json")
     runs = [run_seed(seed, args.epochs_per_trial, args.backbone) for seed in args.seeds]
     report = {
         "description": __doc__.splitlines()[0],

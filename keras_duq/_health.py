@@ -957,7 +957,7 @@ def feature_noise_layer(layer):
 
 def _check_feature_noise(model):
     """Warns when the features come out of a dropout or noise layer (the
-    measurement behind it: docs/own_model.md, "Dropout right before the head")."""
+    measurement behind it: docs/own_model_measurements.md, "Dropout right before the head")."""
     layer = feature_noise_layer(model.feature_extractor)
     if layer is None:
         return
@@ -976,7 +976,7 @@ def _check_feature_noise(model):
         "term more behind dropout (this model: "
         f"`categorical_cross_entropy_weight={weight:g}`), and the backbones "
         "measured still separated out-of-distribution inputs better without "
-        'the layer (docs/own_model.md, "The categorical weight behind '
+        'the layer (docs/own_model_measurements.md, "The categorical weight behind '
         'dropout"). Remove that layer from the backbone (the gradient '
         "penalty regularises DUQ), or move it before the backbone's last "
         "Dense layer.",
