@@ -137,7 +137,7 @@ def main(argv=None):
     # (the latter called directly: `fit` runs them only after start-up).
     model = models[True]
     sample, chunk_size = _health.sample_inputs(
-        rng.normal(size=(_health.SAMPLE_SIZE, *x.shape[1:])).astype("float32"),
+        rng.normal(size=(_health.rules.SAMPLE_SIZE, *x.shape[1:])).astype("float32"),
         args.batch_size,
     )
     callback = HealthCheck(sample, batch_size=chunk_size)
@@ -148,7 +148,7 @@ def main(argv=None):
         warnings.simplefilter("ignore", keras_duq.DUQHealthWarning)
         epoch_end = seconds(lambda: callback.on_epoch_end(0, {}))
         train_end = seconds(
-            lambda: _health._check_final_state(
+            lambda: _health.check_final_state(
                 model, sample, "benchmark", training=True, chunk_size=chunk_size
             )
         )
@@ -165,7 +165,7 @@ def main(argv=None):
         "backend": keras.backend.backend(),
         "pairs": args.pairs,
         "batch_size": args.batch_size,
-        "check_sample_size": _health.SAMPLE_SIZE,
+        "check_sample_size": _health.rules.SAMPLE_SIZE,
         "median_step_ms": {
             "health_checks=True": round(1000 * with_checks, 2),
             "health_checks=False": round(1000 * without, 2),

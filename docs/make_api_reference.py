@@ -18,7 +18,7 @@ import inspect
 import os
 import sys
 
-NAMESPACES = ("evaluation", "callbacks", "tuning", "plots", "datasets")
+NAMESPACES = ("evaluation", "callbacks", "tuning", "plots", "datasets", "batch_norm")
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUTPUT = os.path.join(HERE, "api.md")
 

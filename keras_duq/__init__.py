@@ -27,6 +27,8 @@ Around it, each in its own namespace (imported on first use):
   BatchNormalization statistics re-estimated after each epoch.
 - `keras_duq.plots`: the paper's figures (needs matplotlib).
 - `keras_duq.datasets`: the paper's FashionMNIST vs MNIST data, offline.
+- `keras_duq.batch_norm`: BatchNormalization statistics re-estimated from
+  data, for any Keras model (DUQ or not).
 
 Example:
 
@@ -59,11 +61,11 @@ from keras_duq._health import DUQHealthWarning
 from keras_duq._health import FeatureDropoutWarning
 from keras_duq._health import InputScaleWarning
 from keras_duq._health import KernelUnderflowWarning
-from keras_duq._health import recompute_batch_norm_statistics
 from keras_duq._spectral_normalization import SpectralNormalization
 from keras_duq._spectral_normalization import spectral_normalize
 from keras_duq._wrap import PAPER_SETTINGS
 from keras_duq._wrap import wrap
+from keras_duq.batch_norm import recompute_batch_norm_statistics
 
 __version__ = "0.2.0"
 
@@ -85,7 +87,7 @@ __all__ = [
     "__version__",
 ]
 
-_SUBMODULES = ("callbacks", "datasets", "evaluation", "plots", "tuning")
+_SUBMODULES = ("batch_norm", "callbacks", "datasets", "evaluation", "plots", "tuning")
 
 # keras_duq 0.1 exported these at the top level; they still work, with a
 # warning that names their new home.

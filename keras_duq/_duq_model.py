@@ -25,6 +25,7 @@ from keras_duq._validation import check_positive_int
 from keras_duq._validation import is_float
 from keras_duq._validation import label_dtype_message
 from keras_duq._validation import own_loss_message
+from keras_duq._values import optimizer_steps
 
 if TYPE_CHECKING:
     from keras_duq.evaluation import CertaintyCalibrator
@@ -773,7 +774,7 @@ def _check_data(model, method, name, args, kwargs):
 
 
 def _iterations(model):
-    return _health.optimizer_steps(model) or 0
+    return optimizer_steps(model) or 0
 
 
 def _failed_call_guard(model):

@@ -17,7 +17,7 @@ from keras_duq import _health
 from keras_duq.callbacks import HealthCheck
 
 # Enough steps for `fit` to check (see `HealthCheck`).
-STEPS = _health.WARMUP_STEPS
+STEPS = _health.rules.WARMUP_STEPS
 
 
 def _data(n=400, features=4, classes=3, seed=0, scale=1.0, shift=0.0):
@@ -186,7 +186,7 @@ def test_unsettled_batch_norm_statistics_warn_and_name_the_layer():
     with _Recorder() as recorder:
         history = _fit(model, x, y, batch_size=16).history
         model.evaluate(x, y, verbose=0)
-    assert history["batch_norm_gap"][0] > _health.BATCH_NORM_GAP
+    assert history["batch_norm_gap"][0] > _health.rules.BATCH_NORM_GAP
     (message,) = recorder.of(keras_duq.BatchNormStatisticsWarning)
     assert "input_bn" in message and "recompute_batch_norm_statistics" in message
 
@@ -210,9 +210,9 @@ def test_small_errors_in_many_batch_norm_layers_add_up_and_warn():
     for layer in layers[1::2]:
         std = keras.ops.sqrt(layer.moving_variance + layer.epsilon)
         layer.moving_mean.assign(layer.moving_mean + 0.2 * std)
-    comparison = _health._ModeComparison(model, x)
+    comparison = _health.ModeComparison(model, x)
     assert max(comparison.errors.values()) < 0.3
-    assert comparison.gap > _health.BATCH_NORM_GAP
+    assert comparison.gap > _health.rules.BATCH_NORM_GAP
     with _Recorder() as recorder:
         model.evaluate(x, y, batch_size=len(x), verbose=0)
     (message,) = recorder.of(keras_duq.BatchNormStatisticsWarning)
@@ -221,7 +221,7 @@ def test_small_errors_in_many_batch_norm_layers_add_up_and_warn():
 
 def test_dropout_after_settled_batch_norm_gives_no_warning(monkeypatch):
     # Epochs of a few milliseconds: measure `batch_norm_gap` at each one.
-    monkeypatch.setattr(_health, "CHECK_TIME_SHARE", float("inf"))
+    monkeypatch.setattr(_health.rules, "CHECK_TIME_SHARE", float("inf"))
     # Dropout makes training-mode features differ from inference-mode ones
     # by design; only the BatchNormalization statistics count.
     model = _model(
@@ -236,13 +236,13 @@ def test_dropout_after_settled_batch_norm_gives_no_warning(monkeypatch):
         history = _fit(model, x, y, epochs=2).history
         model.evaluate(x, y, verbose=0)
     assert recorder.of(keras_duq.BatchNormStatisticsWarning) == []
-    assert history["batch_norm_gap"][-1] < _health.BATCH_NORM_GAP
+    assert history["batch_norm_gap"][-1] < _health.rules.BATCH_NORM_GAP
 
 
 def test_per_epoch_comparison_stays_within_its_share_of_training_time(monkeypatch):
     # A share of 0: the first epoch is measured (nothing spent yet), then
     # every comparison would exceed the share, in later `fit` calls too.
-    monkeypatch.setattr(_health, "CHECK_TIME_SHARE", 0.0)
+    monkeypatch.setattr(_health.rules, "CHECK_TIME_SHARE", 0.0)
     model = _model(layers=[keras.layers.BatchNormalization(momentum=0.9)])
     x, y = _data(n=4 * STEPS)
     with _Recorder():
@@ -250,7 +250,7 @@ def test_per_epoch_comparison_stays_within_its_share_of_training_time(monkeypatc
         later = _fit(model, x, y, epochs=2).history["batch_norm_gap"]
     assert np.isfinite(gaps[0]) and np.isnan(gaps[1:] + later).all()
     # An unbounded share measures every epoch.
-    monkeypatch.setattr(_health, "CHECK_TIME_SHARE", float("inf"))
+    monkeypatch.setattr(_health.rules, "CHECK_TIME_SHARE", float("inf"))
     with _Recorder():
         gaps = _fit(model, x, y, epochs=2).history["batch_norm_gap"]
     assert np.isfinite(gaps).all()
@@ -308,7 +308,7 @@ def test_healthy_two_moons_model_gives_no_health_warning():
 
 def test_healthy_batch_norm_model_gives_no_health_warning(monkeypatch):
     # Epochs of a few milliseconds: measure `batch_norm_gap` at each one.
-    monkeypatch.setattr(_health, "CHECK_TIME_SHARE", float("inf"))
+    monkeypatch.setattr(_health.rules, "CHECK_TIME_SHARE", float("inf"))
     model = _model(layers=[keras.layers.BatchNormalization(momentum=0.9)])
     # Batches of 32: with batches of 4 the moving statistics themselves
     # scatter by about 0.1-0.2 standard deviations, a real gap.
@@ -323,7 +323,7 @@ def test_healthy_batch_norm_model_gives_no_health_warning(monkeypatch):
         model.evaluate(x, y, verbose=0)
         model.predict(x, verbose=0)
     assert recorder.health == []
-    assert history["batch_norm_gap"][-1] < _health.BATCH_NORM_GAP
+    assert history["batch_norm_gap"][-1] < _health.rules.BATCH_NORM_GAP
 
 
 def test_no_warning_before_the_warm_up():
@@ -410,11 +410,11 @@ def test_health_check_callback_given_by_the_user_replaces_the_automatic_one():
 def test_inputs_are_sampled_from_arrays_datasets_and_py_datasets():
     x, y = _data(n=1000)
     sample, chunk_size = _health.sample_inputs(x, batch_size=32)
-    assert sample.shape == (_health.SAMPLE_SIZE, 4) and chunk_size == 32
+    assert sample.shape == (_health.rules.SAMPLE_SIZE, 4) and chunk_size == 32
     assert {tuple(row) for row in sample} <= {tuple(row) for row in x}
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
     sample, chunk_size = _health.sample_inputs(dataset)
-    np.testing.assert_array_equal(sample, x[: _health.SAMPLE_SIZE])
+    np.testing.assert_array_equal(sample, x[: _health.rules.SAMPLE_SIZE])
     assert chunk_size == 16
 
     class Batches(keras.utils.PyDataset):
@@ -433,7 +433,7 @@ def test_inputs_are_sampled_from_arrays_datasets_and_py_datasets():
     # Large inputs: fewer examples, within the byte budget, but a whole batch.
     images = np.zeros((300, 224, 224, 3), "float32")
     sample, _ = _health.sample_inputs(images, batch_size=32)
-    assert len(sample) == _health.SAMPLE_BYTES // (224 * 224 * 3 * 4) == 111
+    assert len(sample) == _health.rules.SAMPLE_BYTES // (224 * 224 * 3 * 4) == 111
     sample, _ = _health.sample_inputs(images, batch_size=256)
     assert len(sample) == 256
 
@@ -446,9 +446,9 @@ def test_the_mode_comparison_does_not_depend_on_the_chunk_size():
     model = _model(layers=layers)
     x, _ = _data(n=512)
     keras_duq.recompute_batch_norm_statistics(model, x, batch_size=64)
-    assert _health._ModeComparison(model, x, chunk_size=64).gap < 1e-5
+    assert _health.ModeComparison(model, x, chunk_size=64).gap < 1e-5
     for chunk_size in (32, 100, 512):
-        assert _health._ModeComparison(model, x, chunk_size).gap < 0.05
+        assert _health.ModeComparison(model, x, chunk_size).gap < 0.05
 
 
 # ------------------------------------------------------------ the BN fix
@@ -552,7 +552,7 @@ def test_recompute_callback_settles_statistics_before_validation_and_at_the_end(
         ).history
         model.evaluate(x, y, verbose=0)
     assert len(gaps_at_validation) == 2 and max(gaps_at_validation) < 1e-4
-    assert max(history["batch_norm_gap"]) < _health.BATCH_NORM_GAP
+    assert max(history["batch_norm_gap"]) < _health.rules.BATCH_NORM_GAP
     assert _relative_gap(model, x) < 1e-4
     assert recorder.of(keras_duq.BatchNormStatisticsWarning) == []
 
@@ -621,7 +621,7 @@ def test_jax_backend_warns_too():
             unsettled.evaluate(5.0 + 10.0 * x, y, verbose=0)
         names = keras_duq.recompute_batch_norm_statistics(unsettled, 5.0 + 10.0 * x, batch_size=400)
         from keras_duq import _health
-        gap = _health._ModeComparison(unsettled, 5.0 + 10.0 * x, chunk_size=400).gap
+        gap = _health.ModeComparison(unsettled, 5.0 + 10.0 * x, chunk_size=400).gap
         print(json.dumps({
             "warnings": sorted({w.category.__name__ for w in record
                                 if issubclass(w.category, keras_duq.DUQHealthWarning)}),

@@ -1,0 +1,59 @@
+"""Health checks: a DUQ model watches its own failure modes and says so.
+
+Four causes make DUQ's certainty meaningless without any error: kernel
+values that underflow for (nearly) every example, BatchNormalization moving
+statistics that have not settled (inference-mode features far from those
+that re-estimated statistics give), centroids that never received their
+class or that sit on another class's centroid, and a gradient penalty that
+is constant because the input gradients are zero. Two more are seen at the
+start of `fit`, before any step: inputs far from standardised, and features
+that come out of a dropout layer. Each warns once per model with a subclass
+of `DUQHealthWarning`, naming the numbers and the fix.
+
+The numbers are measured cheaply: per batch inside the training and test
+steps, from tensors the step already has (logged as `certainty`, `underflow`
+and `zero_input_gradient`), and once per epoch, evaluate or predict on a
+sample of a few hundred inputs (`batch_norm_gap`, `centroid_overlap`).
+"""
+
+from keras_duq._health import rules
+from keras_duq._health.batch_metrics import batch_trackers
+from keras_duq._health.batch_metrics import update_batch_metrics
+from keras_duq._health.callback import HealthCheck
+from keras_duq._health.callback import sample_inputs
+from keras_duq._health.callback import with_health_check
+from keras_duq._health.checks import ModeComparison
+from keras_duq._health.checks import check_final_state
+from keras_duq._health.checks import check_predictions
+from keras_duq._health.checks import feature_noise_layer
+from keras_duq._health.state import out_of_distribution
+from keras_duq._health.state import state_of
+from keras_duq._health.warning_types import BatchNormStatisticsWarning
+from keras_duq._health.warning_types import CentroidWarning
+from keras_duq._health.warning_types import ConstantPenaltyWarning
+from keras_duq._health.warning_types import DUQHealthWarning
+from keras_duq._health.warning_types import FeatureDropoutWarning
+from keras_duq._health.warning_types import InputScaleWarning
+from keras_duq._health.warning_types import KernelUnderflowWarning
+
+__all__ = [
+    "BatchNormStatisticsWarning",
+    "CentroidWarning",
+    "ConstantPenaltyWarning",
+    "DUQHealthWarning",
+    "FeatureDropoutWarning",
+    "HealthCheck",
+    "InputScaleWarning",
+    "KernelUnderflowWarning",
+    "ModeComparison",
+    "batch_trackers",
+    "check_final_state",
+    "check_predictions",
+    "feature_noise_layer",
+    "out_of_distribution",
+    "rules",
+    "sample_inputs",
+    "state_of",
+    "update_batch_metrics",
+    "with_health_check",
+]

@@ -1,0 +1,479 @@
+"""The checks: each reads numbers a model already has and warns once per cause."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+from typing import Any
+
+import keras
+import numpy as np
+from keras import ops
+
+from keras_duq import _compat
+from keras_duq import _ops
+from keras_duq._health import rules
+from keras_duq._health.state import state_of
+from keras_duq._health.state import warn_once
+from keras_duq._health.warning_types import BatchNormStatisticsWarning
+from keras_duq._health.warning_types import CentroidWarning
+from keras_duq._health.warning_types import ConstantPenaltyWarning
+from keras_duq._health.warning_types import FeatureDropoutWarning
+from keras_duq._health.warning_types import InputScaleWarning
+from keras_duq._health.warning_types import KernelUnderflowWarning
+from keras_duq._validation import is_float
+from keras_duq._values import optimizer_steps
+from keras_duq._values import to_float64
+from keras_duq.batch_norm import average_statistics
+from keras_duq.batch_norm import batch_norm_layers
+from keras_duq.batch_norm import in_chunks
+from keras_duq.batch_norm import normalisation_error
+from keras_duq.batch_norm import settled_by_recompute
+from keras_duq.batch_norm import with_statistics
+
+if TYPE_CHECKING:
+    from keras_duq._duq_model import DUQModel
+
+
+class ModeComparison:
+    """Training- and inference-mode features of a sample, and what they imply.
+
+    `gap` compares the inference-mode features with those the same inference
+    pass gives with each BatchNormalization layer's moving statistics set to
+    the sample's (averaged over chunks of `chunk_size`): what
+    `recompute_batch_norm_statistics` on the sample would change. Dropout and
+    other training-only layers are inactive in both, so they do not count as
+    a gap.
+    """
+
+    def __init__(self, model, inputs, chunk_size=None):
+        extractor = model.feature_extractor
+        self.layers = batch_norm_layers(extractor)
+        chunks = in_chunks(inputs, chunk_size or rules.DEFAULT_CHUNK_SIZE)
+        training, statistics = average_statistics(extractor, self.layers, chunks)
+        inference = [extractor(chunk, training=False) for chunk in chunks]
+        self.underflow_training = underflow_fraction(
+            model.duq_output.log_kernel_values(ops.concatenate(training))
+        )
+        self.underflow_inference = underflow_fraction(
+            model.duq_output.log_kernel_values(ops.concatenate(inference))
+        )
+        self.size = int(keras.tree.flatten(inputs)[0].shape[0])
+        self.gap = 0.0
+        self.norms = (0.0, 0.0)
+        self.errors = {}
+        if self.layers:
+            settled = np.concatenate(
+                [
+                    to_float64(with_statistics(extractor, statistics, chunk))
+                    for chunk in chunks
+                ]
+            )
+            inference = np.concatenate([to_float64(f) for f in inference])
+            self.gap = float(
+                np.linalg.norm(settled - inference)
+                / max(np.linalg.norm(settled), 1e-12)
+            )
+            self.norms = (
+                float(np.linalg.norm(settled, axis=1).mean()),
+                float(np.linalg.norm(inference, axis=1).mean()),
+            )
+            self.errors = {
+                layer: normalisation_error(layer, *statistics[layer])
+                for layer in self.layers
+            }
+        # Worst first: the layers to look at.
+        self.ranked = sorted(self.layers, key=lambda layer: -self.errors[layer])
+
+
+def underflow_fraction(log_kernel):
+    max_log_kernel = to_float64(ops.max(log_kernel, axis=-1))
+    return float(np.mean(max_log_kernel < rules.UNDERFLOW_LOG_KERNEL))
+
+
+def check_underflow(model, fraction, mode, where):
+    if fraction is None or not fraction >= rules.MOST_EXAMPLES:
+        return
+    if mode == "training":
+        advice = (
+            "The embeddings are far from every centroid (compare the length "
+            "scale with their distances), or the centroids are still near "
+            "their random initial values. Increase `length_scale`, pass "
+            "`bias_correction=True` (centroids from the first batches on), or "
+            "lower the centroid `momentum`. While every kernel value "
+            "underflows, the gradient penalty has no input gradient to act on."
+        )
+    else:
+        advice = (
+            "If training mode is fine (`underflow` low, `val_underflow` "
+            "high), the features differ between the modes (see "
+            "`BatchNormStatisticsWarning`) or these inputs differ from the "
+            "training inputs (scale, preprocessing). Otherwise the fixes for "
+            "training apply: a larger `length_scale`, `bias_correction=True`. "
+            "For out-of-distribution inputs, a certainty of 0 is what DUQ "
+            "should give: ignore this warning then."
+        )
+    warn_once(
+        model,
+        f"underflow_{mode}",
+        KernelUnderflowWarning,
+        f"in {mode} mode ({where}), the kernel values of {fraction:.0%} of the "
+        f"examples are all below {rules.UNDERFLOW_KERNEL_VALUE:.2g} (float32 "
+        "underflow): their certainty is 0 and their prediction arbitrary. "
+        f"{advice} Logged as `underflow` (fraction of such examples) and "
+        "`certainty` (mean largest kernel value).",
+    )
+
+
+def check_batch_norm(model, comparison, where):
+    state = state_of(model)
+    state.compared_at = optimizer_steps(model)
+    if settled_by_recompute(model):
+        return  # re-estimated for these weights: a gap is the sample's noise
+    if not comparison.layers or comparison.gap <= rules.BATCH_NORM_GAP:
+        return
+    listed = ", ".join(
+        f"{layer.name} ({comparison.errors[layer]:.2g})"
+        for layer in comparison.ranked[: rules.LISTED_LAYERS]
+    )
+    more = len(comparison.ranked) - rules.LISTED_LAYERS
+    if more > 0:
+        listed += f" and {more} more"
+    settled_norm, inference_norm = comparison.norms
+    warn_once(
+        model,
+        "batch_norm",
+        BatchNormStatisticsWarning,
+        f"BatchNormalization moving statistics have not settled ({where}): in "
+        "inference mode (`evaluate`, `predict`) the backbone's features are "
+        f"{comparison.gap:.0%} away from those that statistics re-estimated on "
+        f"a sample of {comparison.size} inputs give (relative RMS "
+        "distance; mean feature norm "
+        f"{inference_norm:.3g} against {settled_norm:.3g}), so the kernel "
+        "values in inference mode do not reflect what training learned. "
+        "Layers whose moving statistics differ most from the sample's "
+        "(error of the normalised output, in standard deviations; small "
+        f"errors add up over layers): {listed}. Fix: re-estimate the "
+        "statistics after training with "
+        "`keras_duq.recompute_batch_norm_statistics(model, x_train[:10000])` "
+        "(or after every epoch with the callback "
+        "`keras_duq.callbacks.RecomputeBatchNormStatistics(x_train[:10000])`), "
+        "lower these layers' `momentum` (Keras's default 0.99 lags behind "
+        "weights that change fast; e.g. 0.9), or train for more steps. "
+        "Logged per epoch as `batch_norm_gap`.",
+    )
+
+
+def centroid_overlap(layer, rows_per_chunk=1024):
+    """`(kernel value, class, other)`: the largest kernel value of a class at another's centroid."""
+    centroids = layer.centroids
+    classes = layer.num_classes
+    best = (-1.0, 0, 0)
+    # Centroid j measured by class c's kernel: every head compares all
+    # centroids in one space. In chunks of rows, so that 10,000 classes do
+    # not need a 10,000 x 10,000 matrix at once.
+    for start in range(0, classes, rows_per_chunk):
+        rows = ops.transpose(centroids[:, start : start + rows_per_chunk])
+        log_kernel = _ops.log_kernel_values(
+            _ops.squared_distances(rows, centroids), layer.length_scales
+        )
+        kernel = np.exp(to_float64(log_kernel))
+        own = np.arange(kernel.shape[0])
+        kernel[own, own + start] = -1.0
+        at, cls = np.unravel_index(np.argmax(kernel), kernel.shape)
+        if kernel[at, cls] > best[0]:
+            best = (float(kernel[at, cls]), int(cls), int(at + start))
+    return best
+
+
+def check_centroid_overlap(model, where):
+    layer = model.duq_output
+    value, cls, other = centroid_overlap(layer)
+    if value > rules.CENTROID_OVERLAP:
+        warn_once(
+            model,
+            "centroid_overlap",
+            CentroidWarning,
+            f"the centroids of classes {cls} and {other} overlap ({where}): "
+            f"class {cls}'s kernel value at class {other}'s centroid is "
+            f"{value:.3g} (length scale "
+            f"{to_float64(layer.length_scales)[cls]:.3g}). "
+            "Examples of either class get a high kernel value for both, so "
+            "the certainty cannot tell them apart: the features collapsed. "
+            "Fix: turn the gradient penalty on or raise it (the two-sided "
+            "penalty keeps the features sensitive to the input), lower "
+            "`length_scale`, and check that the two classes' labels are not "
+            "mixed up. Logged per epoch as `centroid_overlap`.",
+        )
+    return value
+
+
+def record_centroid_start(model):
+    """Keeps the centroid counts at the start of the model's first `fit`."""
+    state = state_of(model)
+    iterations = optimizer_steps(model)
+    start = state.centroid_start
+    # A new optimizer restarts the step count: start again from here.
+    if start is None or iterations < start[1]:
+        state.centroid_start = (
+            to_float64(model.duq_output.centroid_counts),
+            iterations,
+        )
+
+
+def warmed_up(model):
+    """Whether `model` is past DUQ's start-up (see `rules.WARMUP_STEPS`)."""
+    iterations = optimizer_steps(model)
+    if iterations is None or iterations < rules.WARMUP_STEPS:
+        return False
+    layer = model.duq_output
+    prior = (
+        _ops.BIAS_CORRECTED_CENTROID_COUNT
+        if layer.bias_correction
+        else _ops.INITIAL_CENTROID_COUNT
+    )
+    # What is left of the initial count; the mean over classes, so that a
+    # class never seen does not hold the checks back.
+    initial = prior * layer.momentum**iterations
+    return bool(
+        initial
+        <= (1.0 - rules.WARMUP_DATA_SHARE) * to_float64(layer.centroid_counts).mean()
+    )
+
+
+def check_unseen_classes(model):
+    """Warns about classes whose centroid gained nothing since the first `fit`."""
+    counts_before, iterations_before = state_of(model).centroid_start
+    steps = optimizer_steps(model) - iterations_before
+    layer = model.duq_output
+    counts = to_float64(layer.centroid_counts)
+    # Without examples a count only decays, `N <- momentum * N`: what it
+    # has above that came from the class's examples.
+    gained = counts - counts_before * layer.momentum**steps
+    if steps < rules.WARMUP_STEPS or not gained.max() > 0:
+        return
+    unseen = [
+        int(c) for c in np.flatnonzero(gained < rules.UNSEEN_CLASS_SHARE * gained.max())
+    ]
+    if unseen:
+        warn_once(
+            model,
+            "centroid_unseen",
+            CentroidWarning,
+            f"the centroids of classes {unseen} received no training examples "
+            f"in {steps} training steps (their counts only decayed, to "
+            f"{', '.join(f'{counts[c]:.3g}' for c in unseen)}), so they keep "
+            "their initial, random values and these classes are never "
+            "predicted with any certainty. Check that the labels cover "
+            f"0..{layer.num_classes - 1} (e.g. not 1..{layer.num_classes}) "
+            "and that `num_classes` is right.",
+        )
+
+
+def check_constant_penalty(model, fraction, where):
+    if fraction is None or not fraction >= rules.MOST_EXAMPLES:
+        return
+    warn_once(
+        model,
+        "constant_penalty",
+        ConstantPenaltyWarning,
+        f"the gradient penalty is constant ({where}): for {fraction:.0%} of "
+        "the training examples the input gradient of the summed kernel "
+        f"values is zero (norm < {rules.ZERO_GRADIENT_NORM:g}, penalty ~1), so the "
+        "penalty adds a constant to the loss and no gradient. The kernel "
+        "values do not change with the input: they are vanishingly small "
+        "(see `certainty`), or the backbone does not pass the input on (a "
+        "layer that zeroes it, dead ReLU units, inputs on a tiny scale). Fix "
+        "the cause (inputs normalised to about unit variance, a lower "
+        "learning rate, a larger `length_scale`); `gradient_penalty=0` turns "
+        "the penalty off. Logged as `zero_input_gradient` (fraction of such "
+        "examples).",
+    )
+
+
+def check_short_run(model, logs):
+    """A run too short for the other checks that ends with no certainty at all.
+
+    Before the warm-up (`rules.WARMUP_STEPS`, `rules.WARMUP_DATA_SHARE`) kernel values
+    that underflow are expected; a whole `fit` that ends so, with a constant
+    penalty too, has learnt nothing DUQ can use, however few steps it had.
+    """
+    certainty = logs.get("certainty")
+    zero_gradient = logs.get("zero_input_gradient")
+    if certainty is None or not float(certainty) < rules.NEGLIGIBLE_CERTAINTY:
+        return
+    if zero_gradient is None or not float(zero_gradient) >= rules.MOST_EXAMPLES:
+        return
+    layer = model.duq_output
+    steps = optimizer_steps(model) or 0
+    prior = (
+        _ops.BIAS_CORRECTED_CENTROID_COUNT
+        if layer.bias_correction
+        else _ops.INITIAL_CENTROID_COUNT
+    )
+    random_share = (
+        prior
+        * layer.momentum**steps
+        / max(to_float64(layer.centroid_counts).mean(), 1e-12)
+    )
+    warn_once(
+        model,
+        "short_run",
+        KernelUnderflowWarning,
+        f"`fit` ended after {steps} training steps with a mean certainty of "
+        f"{float(certainty):.2g} on the last epoch's training batches (below "
+        f"{rules.NEGLIGIBLE_CERTAINTY:g}) and a constant gradient penalty: the "
+        "model's certainty means nothing yet, and its "
+        "predictions can stay at one class. The centroids still owe "
+        f"{min(random_share, 1.0):.0%} of their value to their random start "
+        f"(`momentum={layer.momentum:g}`). For a short run, pass "
+        "`bias_correction=True` (centroids from the class means of the first "
+        "batches) or a lower `momentum` (e.g. 0.9), or train longer.",
+    )
+
+
+def compare_modes(model, inputs, chunk_size=None):
+    """The `ModeComparison` on `inputs` (or `None` without inputs)."""
+    if inputs is None:
+        return None
+    return ModeComparison(model, inputs, chunk_size)
+
+
+def check_final_state(model, inputs, where, training=False, chunk_size=None):
+    """The checks of a model as it is now: on `inputs`, and of its centroids.
+
+    `training`: whether `inputs` are training inputs, whose training-mode
+    kernel values are then checked too. `chunk_size`: the batch size of the
+    passes over `inputs`.
+    """
+    comparison = compare_modes(model, inputs, chunk_size)
+    if comparison is not None:
+        check_batch_norm(model, comparison, where)
+        if training:
+            check_underflow(model, comparison.underflow_training, "training", where)
+        check_underflow(model, comparison.underflow_inference, "inference", where)
+    check_centroid_overlap(model, where)
+
+
+def check_predictions(model: DUQModel, kernel_values: Any) -> None:
+    """The checks after `predict`: inference-mode underflow, unsettled BatchNormalization.
+
+    The modes are compared on a sample of the last `fit`'s inputs, not on
+    `predict`'s own: on inputs unlike the training data (out of
+    distribution, say) BatchNormalization's batch statistics differ from
+    the moving ones by nature.
+    """
+    state = state_of(model)
+    # An untrained model's kernel values underflow by nature (its centroids
+    # are random): nothing to warn about yet.
+    if state.out_of_distribution or not optimizer_steps(model):
+        return
+    if (
+        isinstance(kernel_values, np.ndarray)
+        and kernel_values.ndim == 2
+        and len(kernel_values)
+    ):
+        fraction = float(
+            np.mean(kernel_values.max(axis=1) < rules.UNDERFLOW_KERNEL_VALUE)
+        )
+        check_underflow(model, fraction, "inference", "`predict`")
+    # `predict` runs often (in callbacks, on grids): check the modes once per
+    # set of weights.
+    if "batch_norm" in state.warned or state.compared_at == optimizer_steps(model):
+        return
+    if batch_norm_layers(model.feature_extractor):
+        comparison = compare_modes(
+            model, state.training_inputs, state.training_chunk_size
+        )
+        if comparison is not None:
+            check_batch_norm(model, comparison, "`predict`")
+
+
+def check_input_scale(model, inputs):
+    """Warns when floating-point training inputs are far from standardised.
+
+    Only for backbones without a normalising layer (docs/own_model.md has
+    the measurements).
+    """
+    if any(
+        isinstance(layer, rules.NORMALIZING_LAYERS)
+        for layer in _compat.all_layers(model.feature_extractor)
+    ):
+        return
+    declared = keras.tree.flatten(model.feature_extractor.inputs)
+    arrays = keras.tree.flatten(inputs)
+    if len(declared) != len(arrays):
+        return
+    for tensor, array in zip(declared, arrays):
+        if not is_float(tensor.dtype):
+            continue
+        values = np.asarray(array, dtype=np.float64)
+        mean, std = float(np.mean(values)), float(np.std(values))
+        low, high = rules.INPUT_SCALE_RANGE
+        if std == 0 or not np.isfinite(std):
+            continue
+        if abs(mean) <= rules.INPUT_MEAN_TOLERANCE * std and low <= std <= high:
+            continue
+        name = getattr(tensor, "name", "inputs")
+        warn_once(
+            model,
+            "input_scale",
+            InputScaleWarning,
+            f"the training input `{name}` is not standardised (mean {mean:.3g}, "
+            f"standard deviation {std:.3g} on a sample of {values.shape[0]}) and "
+            "the backbone has no normalisation layer. DUQ's gradient penalty acts "
+            "on the input gradient, and its certainty separates "
+            "out-of-distribution inputs far better on standardised inputs "
+            "(docs/own_model.md). Standardise every set with the training set's "
+            "mean and standard deviation (`keras_duq.datasets.normalize` for "
+            "FashionMNIST-like images), or make a `keras.layers.Normalization()` "
+            "adapted on the training inputs the backbone's first layer.",
+        )
+
+
+def feature_noise_layer(layer):
+    """The noise layer whose output (reshaped at most) `layer` returns, or `None`.
+
+    Looks into Sequential and functional models only: a subclassed model's
+    `layers` are in the order they were created, not called.
+    """
+    if isinstance(layer, rules.NOISE_LAYERS):
+        return layer
+    outputs = getattr(layer, "outputs", None)
+    if not isinstance(layer, keras.Model) or not outputs or len(outputs) != 1:
+        return None
+    # A graph model lists its layers in call order; with one output the
+    # last of them computes it.
+    for child in reversed(layer.layers):
+        if isinstance(child, keras.layers.InputLayer):
+            return None
+        if not isinstance(child, rules.RESHAPING_LAYERS):
+            return feature_noise_layer(child)
+    return None
+
+
+def check_feature_noise(model):
+    """Warns when the features come out of a dropout or noise layer (the
+    measurement behind it: docs/own_model_measurements.md, "Dropout right before the head")."""
+    layer = feature_noise_layer(model.feature_extractor)
+    if layer is None:
+        return
+    rate = getattr(layer, "rate", None)
+    described = type(layer).__name__ + ("" if rate is None else f"(rate={rate:g})")
+    weight = model.categorical_cross_entropy_weight
+    warn_once(
+        model,
+        "feature_noise",
+        FeatureDropoutWarning,
+        f"the backbone's features come out of `{layer.name}` ({described}). In "
+        "training it zeroes or perturbs a random part of every feature vector, "
+        "and DUQ's kernel values (exp of minus the squared distance to a "
+        "centroid over twice the squared length scale) are far more sensitive "
+        "to that noise than a softmax head: the defaults weigh the categorical "
+        "term more behind dropout (this model: "
+        f"`categorical_cross_entropy_weight={weight:g}`), and the backbones "
+        "measured still separated out-of-distribution inputs better without "
+        'the layer (docs/own_model_measurements.md, "The categorical weight behind '
+        'dropout"). Remove that layer from the backbone (the gradient '
+        "penalty regularises DUQ), or move it before the backbone's last "
+        "Dense layer.",
+    )

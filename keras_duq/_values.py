@@ -1,0 +1,20 @@
+"""Values of tensors and variables read back to NumPy, on any backend."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import numpy as np
+from keras import ops
+
+
+def to_float64(value: Any) -> np.ndarray:
+    """A tensor's or a variable's value as a float64 NumPy array (any backend)."""
+    return np.asarray(ops.convert_to_numpy(value)).astype("float64")
+
+
+def optimizer_steps(model: keras.Model) -> int | None:
+    """`model.optimizer.iterations` as an int (`None` before `compile`)."""
+    iterations = getattr(getattr(model, "optimizer", None), "iterations", None)
+    return None if iterations is None else int(to_float64(iterations))
