@@ -12,6 +12,7 @@ step; an empty `tf.data.Dataset` of known size is rejected here.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import keras
@@ -194,3 +195,30 @@ def _check_labels(name, y, num_classes):
             f"{label_range_message(num_classes)} Received: `{name}[{i}]={labels[i].item()!r}` "
             f"({outside.size} label(s) outside the range)."
         )
+
+
+def array_dtype(labels):
+    """The NumPy dtype of in-memory labels (arrays, lists, pandas), else None."""
+    if isinstance(labels, list):
+        try:
+            return np.asarray(labels).dtype
+        except ValueError:  # ragged: Keras's adapter reports it
+            return None
+    dtype = getattr(labels, "dtype", None)
+    return dtype if isinstance(dtype, np.dtype) else None
+
+
+EMPTY_STREAM_MESSAGE = (
+    "`{method}` received empty data: its input yielded no batches. Check the "
+    "dataset, generator or `PyDataset` passed as `x` (and `steps`, if given)."
+)
+
+
+def check_bound_call_data(model, method, name, args, kwargs):
+    """`check_call_data` on the Keras `method`'s bound arguments."""
+    signature = inspect.signature(method)
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    arguments = dict(bound.arguments)
+    arguments.update(arguments.pop("kwargs", {}) or {})
+    check_call_data(model, name, arguments)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
@@ -18,14 +19,13 @@ from keras_duq import _health
 from keras_duq import _ops
 from keras_duq import _penalty_input
 from keras_duq import _trainer
-from keras_duq._duq_output import DUQOutput
+from keras_duq._duq_output import find_duq_output
 from keras_duq._typing import Tensor
 from keras_duq._validation import check_non_negative
 from keras_duq._validation import check_positive_int
 from keras_duq._validation import is_float
 from keras_duq._validation import label_dtype_message
 from keras_duq._validation import own_loss_message
-from keras_duq._values import optimizer_steps
 
 if TYPE_CHECKING:
     from keras_duq.evaluation import CertaintyCalibrator
@@ -262,7 +262,7 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
                 "Expected `health_checks` to be True or False. "
                 f"Received: `health_checks={health_checks!r}`"
             )
-        duq_output = _find_duq_output(inputs, outputs)
+        duq_output = find_duq_output(inputs, outputs)
         feature_extractor = keras.Model(
             inputs, duq_output.input, name="feature_extractor"
         )
@@ -271,7 +271,9 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
         elif gradient_penalty > 0 and not any(
             is_float(t.dtype) for t in keras.tree.flatten(inputs)
         ):
-            raise ValueError(_no_float_input_message(inputs, feature_extractor))
+            raise ValueError(
+                _penalty_input.no_float_input_message(inputs, feature_extractor)
+            )
         super().__init__(**kwargs)
         self.penalty_input = penalty_input
         # The penalty's forward pass runs this copy of the graph (sharing
@@ -387,67 +389,54 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
     # On TensorFlow, in-memory arrays reach Keras as the same batches in a
     # pipeline without tf.data's autotuning (`quiet_array_inputs`).
 
+    def _prepared_call(self, method, name, args, kwargs):
+        """`(args, kwargs)` for the Keras `method`: data checked whole, a
+        `HealthCheck` added (`fit`, `evaluate`), fed as the backend wants."""
+        _data_checks.check_bound_call_data(self, method, name, args, kwargs)
+        if self.health_checks and name != "predict":
+            args, kwargs = _health.with_health_check(self, method, args, kwargs)
+        return _arguments_for(method, name, args, kwargs, self.num_classes)
+
     @functools.wraps(keras.Model.fit)
     def fit(self, *args: Any, **kwargs: Any) -> keras.callbacks.History:
-        _check_data(self, super().fit, "fit", args, kwargs)
-        if self.health_checks:
-            args, kwargs = _health.with_health_check(self, super().fit, args, kwargs)
-        args, kwargs = _arguments_for(
-            super().fit, "fit", args, kwargs, self.num_classes
-        )
-        iterations = _iterations(self)
-        with _failed_call_guard(self):
+        args, kwargs = self._prepared_call(super().fit, "fit", args, kwargs)
+        iterations = _trainer.optimizer_steps_or_zero(self)
+        with _failed_call_guard(self), _empty_data_error("fit"):
             try:
                 history = super().fit(*args, **kwargs)
-            except UnboundLocalError as error:  # Keras's JAX loop, on no batches
-                raise ValueError(_EMPTY_STREAM_MESSAGE.format(method="fit")) from error
+            except UnboundLocalError:
+                raise
             except Exception as error:
-                rejected = _rejected_batch_error(self, error, iterations)
+                rejected = _trainer.rejected_batch_error(self, error, iterations)
                 if rejected is None:
                     raise
                 raise rejected from error
         ran_no_step = (
-            _iterations(self) == iterations
+            _trainer.optimizer_steps_or_zero(self) == iterations
             and kwargs.get("epochs", 1) > kwargs.get("initial_epoch", 0)
             and not self.stop_training
             and not self._uses_loss_scale()
         )
         if ran_no_step:
-            raise ValueError(_EMPTY_STREAM_MESSAGE.format(method="fit"))
+            raise ValueError(_data_checks.EMPTY_STREAM_MESSAGE.format(method="fit"))
         return history
 
     @functools.wraps(keras.Model.evaluate)
     def evaluate(self, *args: Any, **kwargs: Any) -> Any:
-        _check_data(self, super().evaluate, "evaluate", args, kwargs)
-        if self.health_checks:
-            args, kwargs = _health.with_health_check(
-                self, super().evaluate, args, kwargs
-            )
-        args, kwargs = _arguments_for(
-            super().evaluate, "evaluate", args, kwargs, self.num_classes
-        )
-        with _failed_call_guard(self):
-            try:
-                results = super().evaluate(*args, **kwargs)
-            except UnboundLocalError as error:  # Keras's JAX loop, on no batches
-                raise ValueError(
-                    _EMPTY_STREAM_MESSAGE.format(method="evaluate")
-                ) from error
+        args, kwargs = self._prepared_call(super().evaluate, "evaluate", args, kwargs)
+        with _failed_call_guard(self), _empty_data_error("evaluate"):
+            results = super().evaluate(*args, **kwargs)
         if float(self._objective_tracker.count) == 0:
-            raise ValueError(_EMPTY_STREAM_MESSAGE.format(method="evaluate"))
+            raise ValueError(
+                _data_checks.EMPTY_STREAM_MESSAGE.format(method="evaluate")
+            )
         return results
 
     @functools.wraps(keras.Model.predict)
     def predict(self, *args: Any, **kwargs: Any) -> np.ndarray:
-        _check_data(self, super().predict, "predict", args, kwargs)
-        args, kwargs = _arguments_for(super().predict, "predict", args, kwargs)
-        with _failed_call_guard(self):
-            try:
-                kernel_values = super().predict(*args, **kwargs)
-            except UnboundLocalError as error:  # Keras, on a stream of no batches
-                raise ValueError(
-                    _EMPTY_STREAM_MESSAGE.format(method="predict")
-                ) from error
+        args, kwargs = self._prepared_call(super().predict, "predict", args, kwargs)
+        with _failed_call_guard(self), _empty_data_error("predict"):
+            kernel_values = super().predict(*args, **kwargs)
         if self.health_checks:
             _health.check_predictions(self, kernel_values)
         return kernel_values
@@ -605,29 +594,10 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
         """
         from keras_duq import _export
 
-        _export.check_serving_options(
-            certainty_threshold, calibrator, top_k, self.duq_output.num_classes
-        )
-        _export.check_serving_format(format)
-        _export.check_format_precision(self, format)
-        if format == "tf_saved_model":
-            _export.check_export_options(kwargs)
-        _export.check_format_packages(format)
-        if format != "tf_saved_model":
-            return _export.export_serving_model(
-                self,
-                filepath,
-                format,
-                verbose,
-                input_signature,
-                certainty_threshold=certainty_threshold,
-                calibrator=calibrator,
-                top_k=top_k,
-                **kwargs,
-            )
-        _export.export_saved_model(
+        _export.export(
             self,
             filepath,
+            format,
             verbose,
             input_signature,
             certainty_threshold=certainty_threshold,
@@ -677,24 +647,6 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
         return cls(feature_extractor.input, outputs, **config)
 
 
-def _no_float_input_message(inputs, feature_extractor):
-    """The error for a model without float inputs whose penalty is on."""
-    embedding = _penalty_input.embedding_name(feature_extractor)
-    example = (
-        f"`penalty_input={embedding!r}` (this model's Embedding layer)"
-        if embedding is not None
-        else "`penalty_input='embedding'` (the name of the model's Embedding layer)"
-    )
-    return (
-        "The gradient penalty is taken with respect to the model's "
-        "floating-point inputs, and this model has none (input dtypes: "
-        f"{[t.dtype for t in keras.tree.flatten(inputs)]}). For token ids, "
-        "take it with respect to the output of a layer instead, e.g. "
-        f"{example}. Otherwise declare a float input, e.g. "
-        "`keras.Input(shape, dtype='float32')`, or pass `gradient_penalty=0`."
-    )
-
-
 def _arguments_for(method, name, args, kwargs, num_classes=None):
     """`args` and `kwargs` of the Keras `method` by name, as the backend feeds them best.
 
@@ -715,66 +667,10 @@ def _arguments_for(method, name, args, kwargs, num_classes=None):
         if isinstance(validation, (tuple, list)):
             validation = keras.utils.unpack_x_y_sample_weight(tuple(validation))[1]
         for labels in (arguments.get("y"), validation):
-            dtype = _array_dtype(labels)
+            dtype = _data_checks.array_dtype(labels)
             if dtype is not None and dtype.kind not in "iuf":
                 raise ValueError(label_dtype_message(num_classes, dtype))
     return (), _BackendTrainer.prepare_arguments(name, arguments)
-
-
-def _array_dtype(labels):
-    """The NumPy dtype of in-memory labels (arrays, lists, pandas), else None."""
-    if isinstance(labels, list):
-        try:
-            return np.asarray(labels).dtype
-        except ValueError:  # ragged: Keras's adapter reports it
-            return None
-    dtype = getattr(labels, "dtype", None)
-    return dtype if isinstance(dtype, np.dtype) else None
-
-
-def _find_duq_output(inputs, outputs):
-    """The `DUQOutput` layer that produces `outputs` (else a clear error)."""
-    layer = None
-    if not isinstance(outputs, (list, tuple, dict)):
-        try:
-            graph = keras.Model(inputs, outputs)
-        except Exception:  # noqa: BLE001 - any failure means "not a DUQ head"
-            graph = None
-        if graph is not None:
-            candidates = [
-                candidate
-                for candidate in graph.layers
-                if isinstance(candidate, DUQOutput) and candidate.output is outputs
-            ]
-            layer = candidates[0] if candidates else None
-    if layer is None:
-        raise ValueError(
-            "DUQModel's `outputs` must be the output of a `DUQOutput` layer, "
-            "e.g. `outputs = keras_duq.DUQOutput(num_classes)(features)`; to "
-            "turn an existing backbone into a DUQ model use "
-            f"`keras_duq.wrap(backbone, num_classes)`. Received: `outputs={outputs!r}`"
-        )
-    return layer
-
-
-_EMPTY_STREAM_MESSAGE = (
-    "`{method}` received empty data: its input yielded no batches. Check the "
-    "dataset, generator or `PyDataset` passed as `x` (and `steps`, if given)."
-)
-
-
-def _check_data(model, method, name, args, kwargs):
-    """`_data_checks.check_call_data` on the Keras `method`'s bound arguments."""
-    signature = inspect.signature(method)
-    bound = signature.bind(*args, **kwargs)
-    bound.apply_defaults()
-    arguments = dict(bound.arguments)
-    arguments.update(arguments.pop("kwargs", {}) or {})
-    _data_checks.check_call_data(model, name, arguments)
-
-
-def _iterations(model):
-    return optimizer_steps(model) or 0
 
 
 def _failed_call_guard(model):
@@ -782,19 +678,13 @@ def _failed_call_guard(model):
     return _compat.purged_values_restored_on_failure(model)
 
 
-def _rejected_batch_error(model, error, iterations):
-    """A `ValueError` for a batch the step rejected, with the steps applied before it.
-
-    `None` for any other error, which propagates as it is.
-    """
-    text = str(error)
-    for code in _trainer.ALL_ERRORS:
-        message = _trainer.error_message(code, model.num_classes)
-        if message in text:
-            applied = _iterations(model) - iterations
-            return ValueError(
-                f"{message} The rejected batch changed nothing; {applied} "
-                "training step(s) of this `fit` call were applied before it "
-                "and the model keeps them."
-            )
-    return None
+@contextlib.contextmanager
+def _empty_data_error(method):
+    """Keras's loops fail on a stream of no batches with an `UnboundLocalError`
+    (JAX's `fit` and `evaluate`, every `predict`): say what happened instead."""
+    try:
+        yield
+    except UnboundLocalError as error:
+        raise ValueError(
+            _data_checks.EMPTY_STREAM_MESSAGE.format(method=method)
+        ) from error

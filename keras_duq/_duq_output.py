@@ -418,3 +418,28 @@ def resolve_head(head: str, features: int, centroid_dims: int, num_classes: int)
         return head
     values = features * centroid_dims * num_classes
     return "per_class" if values <= MAX_PER_CLASS_HEAD_VALUES else "shared"
+
+
+def find_duq_output(inputs, outputs):
+    """The `DUQOutput` layer that produces `outputs` (else a clear error)."""
+    layer = None
+    if not isinstance(outputs, (list, tuple, dict)):
+        try:
+            graph = keras.Model(inputs, outputs)
+        except Exception:  # noqa: BLE001 - any failure means "not a DUQ head"
+            graph = None
+        if graph is not None:
+            candidates = [
+                candidate
+                for candidate in graph.layers
+                if isinstance(candidate, DUQOutput) and candidate.output is outputs
+            ]
+            layer = candidates[0] if candidates else None
+    if layer is None:
+        raise ValueError(
+            "DUQModel's `outputs` must be the output of a `DUQOutput` layer, "
+            "e.g. `outputs = keras_duq.DUQOutput(num_classes)(features)`; to "
+            "turn an existing backbone into a DUQ model use "
+            f"`keras_duq.wrap(backbone, num_classes)`. Received: `outputs={outputs!r}`"
+        )
+    return layer

@@ -632,3 +632,38 @@ def serving_input_signature(inputs: Any, spec_type: str = "tf") -> Any:
             for index, tensor in enumerate(inputs)
         ]
     return spec(inputs, SINGLE_INPUT_NAME)
+
+
+def export(
+    model,
+    filepath,
+    format,
+    verbose,
+    input_signature,
+    certainty_threshold=None,
+    calibrator=None,
+    top_k=None,
+    **kwargs,
+):
+    """`DUQModel.export`: every option checked before anything is written, then the export."""
+    check_serving_options(
+        certainty_threshold, calibrator, top_k, model.duq_output.num_classes
+    )
+    check_serving_format(format)
+    check_format_precision(model, format)
+    if format == "tf_saved_model":
+        check_export_options(kwargs)
+    check_format_packages(format)
+    options = {
+        "certainty_threshold": certainty_threshold,
+        "calibrator": calibrator,
+        "top_k": top_k,
+    }
+    if format == "tf_saved_model":
+        export_saved_model(
+            model, filepath, verbose, input_signature, **options, **kwargs
+        )
+    else:
+        export_serving_model(
+            model, filepath, format, verbose, input_signature, **options, **kwargs
+        )

@@ -218,3 +218,21 @@ def _candidates(feature_extractor):
     ]
     layers.sort(key=lambda layer: not isinstance(layer, keras.layers.Embedding))
     return [layer.name for layer in layers[:_CANDIDATES]]
+
+
+def no_float_input_message(inputs, feature_extractor):
+    """The error for a model without float inputs whose penalty is on."""
+    embedding = embedding_name(feature_extractor)
+    example = (
+        f"`penalty_input={embedding!r}` (this model's Embedding layer)"
+        if embedding is not None
+        else "`penalty_input='embedding'` (the name of the model's Embedding layer)"
+    )
+    return (
+        "The gradient penalty is taken with respect to the model's "
+        "floating-point inputs, and this model has none (input dtypes: "
+        f"{[t.dtype for t in keras.tree.flatten(inputs)]}). For token ids, "
+        "take it with respect to the output of a layer instead, e.g. "
+        f"{example}. Otherwise declare a float input, e.g. "
+        "`keras.Input(shape, dtype='float32')`, or pass `gradient_penalty=0`."
+    )

@@ -42,6 +42,7 @@ from keras_duq._validation import label_range_message
 from keras_duq._validation import label_shape_message
 from keras_duq._validation import own_loss_message
 from keras_duq._validation import standardize_inputs
+from keras_duq._values import optimizer_steps
 
 # Error codes of a batch or step; 0 means none.
 LABEL_RANGE, FRACTIONAL_LABEL, NON_FINITE_INPUT = 1, 2, 3
@@ -452,3 +453,25 @@ class Trainer:
         return arguments
 
     error_tracker_class = None
+
+
+def optimizer_steps_or_zero(model):
+    return optimizer_steps(model) or 0
+
+
+def rejected_batch_error(model, error, iterations):
+    """A `ValueError` for a batch the step rejected, with the steps applied before it.
+
+    `None` for any other error, which propagates as it is.
+    """
+    text = str(error)
+    for code in ALL_ERRORS:
+        message = error_message(code, model.num_classes)
+        if message in text:
+            applied = optimizer_steps_or_zero(model) - iterations
+            return ValueError(
+                f"{message} The rejected batch changed nothing; {applied} "
+                "training step(s) of this `fit` call were applied before it "
+                "and the model keeps them."
+            )
+    return None

@@ -24,6 +24,12 @@ from keras_duq.evaluation import certainty_scores
 from keras_duq.evaluation import misclassification_auroc
 from keras_duq.evaluation import ood_metrics
 
+__all__ = [
+    "HealthCheck",
+    "OODEvaluation",
+    "RecomputeBatchNormStatistics",
+]
+
 
 class OODEvaluation(keras.callbacks.Callback):
     """Logs out-of-distribution detection metrics during `fit`.

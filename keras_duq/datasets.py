@@ -16,6 +16,16 @@ import keras
 import numpy as np
 from numpy.typing import ArrayLike
 
+__all__ = [
+    "FASHION_MNIST_MEAN",
+    "FASHION_MNIST_STD",
+    "load_fashion_mnist",
+    "load_mnist_test",
+    "make_dataset",
+    "normalize",
+    "read_idx",
+]
+
 if TYPE_CHECKING:
     import tensorflow as tf
 

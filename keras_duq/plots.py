@@ -35,7 +35,17 @@ from numpy.typing import ArrayLike
 from sklearn import metrics as sk_metrics
 
 from keras_duq import evaluation as _evaluation
+from keras_duq._evaluation_inputs import as_certainty
+from keras_duq._evaluation_inputs import detection_problem
 from keras_duq._validation import check_int
+
+__all__ = [
+    "plot_certainty_histograms",
+    "plot_certainty_map",
+    "plot_rejection_curve",
+    "plot_reliability_diagram",
+    "plot_roc_curve",
+]
 
 if TYPE_CHECKING:
     import keras
@@ -163,9 +173,9 @@ def plot_roc_curve(
         The `matplotlib.axes.Axes` drawn on. (keras_duq 0.2 returned its
         figure, which is `axes.figure`.)
     """
-    in_certainty = _evaluation._as_certainty("in_certainty", in_certainty)
-    ood_certainty = _evaluation._as_certainty("ood_certainty", ood_certainty)
-    is_ood, uncertainty = _evaluation._detection_problem(in_certainty, ood_certainty)
+    in_certainty = as_certainty("in_certainty", in_certainty)
+    ood_certainty = as_certainty("ood_certainty", ood_certainty)
+    is_ood, uncertainty = detection_problem(in_certainty, ood_certainty)
     fpr, tpr, _ = sk_metrics.roc_curve(is_ood, uncertainty)
     auroc = sk_metrics.roc_auc_score(is_ood, uncertainty)
     axes, created = _axes(ax, figsize=(5, 5))
@@ -321,8 +331,8 @@ def plot_certainty_histograms(
         figure, which is `axes.figure`.)
     """
     check_int("bins", bins, minimum=1)
-    in_certainty = _evaluation._as_certainty("in_certainty", in_certainty)
-    ood_certainty = _evaluation._as_certainty("ood_certainty", ood_certainty)
+    in_certainty = as_certainty("in_certainty", in_certainty)
+    ood_certainty = as_certainty("ood_certainty", ood_certainty)
     low = min(in_certainty.min(), ood_certainty.min())
     high = max(in_certainty.max(), ood_certainty.max())
     if low == high:

@@ -41,7 +41,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import inspect
 import logging
 import math
 import random
@@ -57,11 +56,25 @@ import keras
 import numpy as np
 from numpy.typing import ArrayLike
 
+from keras_duq._tuning_inputs import SEARCHED
+from keras_duq._tuning_inputs import check_inputs
+from keras_duq._tuning_inputs import check_labels
+from keras_duq._tuning_inputs import check_validation_data
+from keras_duq._tuning_inputs import check_wrap_kwargs
+from keras_duq._tuning_inputs import class_indices
 from keras_duq._validation import NON_FINITE_TRAINING_MESSAGE
 from keras_duq._validation import check_int
 from keras_duq._validation import check_positive_int
 from keras_duq._wrap import wrap
 from keras_duq.evaluation import misclassification_auroc
+
+__all__ = [
+    "DEFAULT_ACCURACY_TOLERANCE",
+    "DEFAULT_GRADIENT_PENALTIES",
+    "DEFAULT_LENGTH_SCALES",
+    "SearchResult",
+    "search",
+]
 
 # Roughly log-spaced over the paper's interval (0, 1], with the paper's
 # choices: 0.1 (FashionMNIST, CIFAR-10) and 0.3 (two moons).
@@ -75,8 +88,6 @@ DEFAULT_ACCURACY_TOLERANCE = 0.01
 # Fewer wrong validation predictions than this make the misclassification
 # AUROC too coarse to rank penalty weights: the search says so.
 _FEW_ERRORS = 10
-
-_SEARCHED = ("length_scale", "gradient_penalty")
 # How a stopped, non-finite training step is recognised in the error of
 # either backend (TensorFlow escapes the quotes in the rest of the message).
 _NON_FINITE_MARK = NON_FINITE_TRAINING_MESSAGE.split(",")[0]
@@ -121,7 +132,7 @@ class SearchResult:
     def best_trial(self) -> dict[str, Any]:
         """The trial whose hyperparameters are `best`."""
         for trial in self.trials:
-            if all(trial[key] == self.best[key] for key in _SEARCHED):
+            if all(trial[key] == self.best[key] for key in SEARCHED):
                 return trial
         raise ValueError(f"No trial has the hyperparameters {self.best}.")
 
@@ -255,12 +266,12 @@ def search(
             "keras.Sequential([...])`. Received: "
             f"`build_backbone={build_backbone!r}`"
         )
-    _check_wrap_kwargs(wrap_kwargs)
+    check_wrap_kwargs(wrap_kwargs)
     check_int("num_classes", num_classes, minimum=2)
-    num_examples = _check_inputs("x", x)
-    _check_labels("y", y, num_examples, num_classes)
-    x_val, y_val = _check_validation_data(validation_data, num_classes)
-    y_val = _class_indices(y_val)
+    num_examples = check_inputs("x", x)
+    check_labels("y", y, num_examples, num_classes)
+    x_val, y_val = check_validation_data(validation_data, num_classes)
+    y_val = class_indices(y_val)
     length_scales, gradient_penalties = _grids(
         length_scales, gradient_penalties, max_trials
     )
@@ -314,7 +325,7 @@ def search(
         ]
     best = _choose_gradient_penalty(candidates, chosen, accuracy_tolerance)
     return SearchResult(
-        best={key: best[key] for key in _SEARCHED}, trials=trainer.trials, seed=seed
+        best={key: best[key] for key in SEARCHED}, trials=trainer.trials, seed=seed
     )
 
 
@@ -639,102 +650,3 @@ def _grid(name, values, positive):
             f"`{name}={values!r}`"
         )
     return grid
-
-
-def _check_wrap_kwargs(wrap_kwargs):
-    searched = [key for key in _SEARCHED if key in wrap_kwargs]
-    if searched:
-        raise ValueError(
-            f"`search` chooses {' and '.join(f'`{key}`' for key in searched)} "
-            "itself, so it cannot be held fixed. Pass the values to try as "
-            "`length_scales=[...]` or `gradient_penalties=[...]` instead. "
-            f"Received: {', '.join(f'`{k}={wrap_kwargs[k]!r}`' for k in searched)}"
-        )
-    accepted = [
-        name
-        for name in inspect.signature(wrap).parameters
-        if name not in ("backbone", "num_classes") + _SEARCHED
-    ]
-    unknown = [key for key in wrap_kwargs if key not in accepted]
-    if unknown:
-        raise ValueError(
-            f"Unknown argument(s) {unknown}: `search` passes its other keyword "
-            f"arguments to `keras_duq.wrap`, which takes {accepted}. Received: "
-            + ", ".join(f"`{k}={wrap_kwargs[k]!r}`" for k in unknown)
-        )
-
-
-def _check_inputs(name, x):
-    """Returns the number of examples in `x`, checking its arrays agree."""
-    leaves = keras.tree.flatten(x)
-    lengths = {len(leaf) for leaf in leaves if hasattr(leaf, "__len__")}
-    if (
-        not leaves
-        or len(lengths) != 1
-        or len(leaves) != sum(hasattr(leaf, "__len__") for leaf in leaves)
-    ):
-        raise ValueError(
-            f"Expected `{name}` to be an array (or a list or dict of arrays "
-            "with one row per example, all of the same length). Received: "
-            f"`{name}` of type {type(x).__name__}"
-            + (f" with lengths {sorted(lengths)}" if lengths else "")
-        )
-    for leaf in leaves:
-        array = np.asarray(leaf)
-        if np.issubdtype(array.dtype, np.floating) and not np.all(np.isfinite(array)):
-            raise ValueError(
-                f"`{name}` contains NaN or infinite values. Clean or impute "
-                "the data before the search (e.g. `np.nan_to_num`). Received: "
-                f"{int(np.sum(~np.isfinite(array)))} non-finite values"
-            )
-    (num_examples,) = lengths
-    if num_examples == 0:
-        raise ValueError(f"`{name}` is empty. Received: `{name}` with 0 examples")
-    return num_examples
-
-
-def _check_labels(name, y, num_examples, num_classes):
-    y = np.asarray(y)
-    one_hot = y.ndim == 2 and y.shape[1] == num_classes
-    if len(y) != num_examples or not (
-        y.ndim == 1 or (y.ndim == 2 and (y.shape[1] == 1 or one_hot))
-    ):
-        raise ValueError(
-            f"Expected `{name}` to hold one label per example ({num_examples}): "
-            f"class indices of shape ({num_examples},) or ({num_examples}, 1), "
-            f"or one-hot of shape ({num_examples}, {num_classes}). Received: "
-            f"`{name}` of shape {y.shape}"
-        )
-    if not np.issubdtype(y.dtype, np.number):
-        raise ValueError(
-            f"Expected numeric labels in `{name}`. Received: dtype {y.dtype}"
-        )
-    indices = y.argmax(axis=1) if one_hot else y.reshape(-1)
-    if not np.all(
-        (indices == np.round(indices)) & (indices >= 0) & (indices < num_classes)
-    ):
-        raise ValueError(
-            f"Expected `{name}` to hold class indices in [0, {num_classes}) "
-            f"(`num_classes={num_classes}`). Received: labels "
-            f"{np.unique(indices)[:10]}"
-        )
-
-
-def _check_validation_data(validation_data, num_classes):
-    if not isinstance(validation_data, (tuple, list)) or len(validation_data) != 2:
-        raise ValueError(
-            "Expected `validation_data` to be a tuple `(x_val, y_val)` of "
-            "in-distribution validation inputs and labels. Received: "
-            f"`validation_data` of type {type(validation_data).__name__}"
-        )
-    x_val, y_val = validation_data
-    num_examples = _check_inputs("validation_data[0]", x_val)
-    _check_labels("validation_data[1]", y_val, num_examples, num_classes)
-    return x_val, y_val
-
-
-def _class_indices(y):
-    y = np.asarray(y)
-    if y.ndim == 2 and y.shape[1] > 1:
-        return y.argmax(axis=1)
-    return y.reshape(-1).astype("int64")
