@@ -12,6 +12,8 @@ record to `--output`.
     python -m benchmarks.recipe --problem cifar10 --seeds 0 1 2 --softmax
     python -m benchmarks.recipe --problem cifar10 --seeds 0 1 2 --preset paper \
         --set gradient_penalty=0.5 --label "paper preset"
+    python -m benchmarks.recipe --problem cifar10 --seeds 0 1 2 --clipnorm 1.0 \
+        --label "defaults, clipnorm=1.0"
     TINY_IMAGENET_DIR=/data/tiny-imagenet-200 python -m benchmarks.recipe \
         --problem tiny_imagenet --seeds 0 --softmax
 
@@ -302,7 +304,7 @@ class EpochLog(keras.callbacks.Callback):
         self.epochs.append({k: round(float(v), 4) for k, v in (logs or {}).items()})
 
 
-def run(problem, seed, method, overrides, epochs=None):
+def run(problem, seed, method, overrides, epochs=None, clipnorm=None):
     keras.backend.clear_session()
     keras.utils.set_random_seed(seed)
     spec = PROBLEMS[problem](seed)
@@ -312,12 +314,16 @@ def run(problem, seed, method, overrides, epochs=None):
     x_test, y_test = spec["test"]
     keras.utils.set_random_seed(seed)
     backbone = spec["backbone"]()
+    optimizer = spec["optimizer"](method)
+    if clipnorm is not None:
+        # Each gradient clipped to this norm (Keras's `clipnorm`), both heads.
+        optimizer.clipnorm = clipnorm
     if method == "softmax":
         model = keras.Sequential(
             [backbone, keras.layers.Dense(spec["num_classes"], activation="softmax")]
         )
         model.compile(
-            optimizer=spec["optimizer"](method),
+            optimizer=optimizer,
             loss="sparse_categorical_crossentropy",
             metrics=["accuracy"],
         )
@@ -327,7 +333,16 @@ def run(problem, seed, method, overrides, epochs=None):
             num_classes=spec["num_classes"],
             **{**spec["wrap"], **overrides},
         )
-        model.compile(optimizer=spec["optimizer"](method))
+        model.compile(optimizer=optimizer)
+    base = {
+        "problem": problem,
+        "method": method,
+        "seed": seed,
+        "overrides": {k: repr(v) for k, v in overrides.items()},
+        "epochs": spec["epochs"],
+    }
+    if clipnorm is not None:
+        base["clipnorm"] = clipnorm
     start = time.perf_counter()
     log = EpochLog()
     try:
@@ -344,11 +359,7 @@ def run(problem, seed, method, overrides, epochs=None):
         if "non-finite" not in str(error):
             raise
         return {
-            "problem": problem,
-            "method": method,
-            "seed": seed,
-            "overrides": {k: repr(v) for k, v in overrides.items()},
-            "epochs": spec["epochs"],
+            **base,
             "failed": "non-finite update in epoch " + str(len(log.epochs) + 1),
             "train_seconds": round(time.perf_counter() - start, 1),
             "history": log.epochs,
@@ -357,11 +368,7 @@ def run(problem, seed, method, overrides, epochs=None):
     train_scores = model.predict(x, batch_size=1000, verbose=0)
     test_scores = model.predict(x_test, batch_size=1000, verbose=0)
     record = {
-        "problem": problem,
-        "method": method,
-        "seed": seed,
-        "overrides": {k: repr(v) for k, v in overrides.items()},
-        "epochs": spec["epochs"],
+        **base,
         "train_accuracy": float(np.mean(train_scores.argmax(1) == y)),
         "test_accuracy": float(np.mean(test_scores.argmax(1) == y_test)),
         "test_certainty_mean": float(test_scores.max(1).mean()),
@@ -455,6 +462,12 @@ def main(argv=None):
     parser.add_argument(
         "--epochs", type=int, default=None, help="The problem's if unset."
     )
+    parser.add_argument(
+        "--clipnorm",
+        type=float,
+        default=None,
+        help="Clip each gradient to this norm (the optimizer's `clipnorm`).",
+    )
     parser.add_argument("--output", default=None, help="JSONL file to append to.")
     args = parser.parse_args(argv)
     if args.summarize:
@@ -477,6 +490,7 @@ def main(argv=None):
                 method,
                 overrides if method == "duq" else {},
                 args.epochs,
+                args.clipnorm,
             )
             record.update(
                 label=args.label if method == "duq" else "softmax",

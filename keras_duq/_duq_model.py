@@ -11,7 +11,6 @@ from typing import Any
 
 import keras
 import numpy as np
-from keras import ops
 
 from keras_duq import _compat
 from keras_duq import _data_checks
@@ -458,45 +457,6 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
         _data_checks.check_call_data(self, "predict", {"x": x})
         with _failed_call_guard(self):
             return super().predict_on_batch(x)
-
-    def _update_duq_metrics(
-        self,
-        x,
-        y,
-        sample_weight,
-        log_kernel,
-        penalty,
-        objective,
-        bce,
-        labels_one_hot,
-        penalised=None,
-    ):
-        """Updates the trackers; `penalised` (bool tensor): whether `penalty` was computed."""
-        batch_size = ops.cast(ops.shape(log_kernel)[0], "float32")
-        self._objective_tracker.update_state(objective, sample_weight=batch_size)
-        self._bce_tracker.update_state(bce, sample_weight=batch_size)
-        weight = None
-        if penalty is not None:
-            # A lazy penalty's `gradient_penalty` log: the mean over the
-            # steps that computed it.
-            weight = (
-                batch_size
-                if penalised is None
-                else batch_size * ops.cast(penalised, "float32")
-            )
-            self._penalty_tracker.update_state(ops.mean(penalty), sample_weight=weight)
-        if self._health_trackers:
-            _health.update_batch_metrics(
-                self._health_trackers, log_kernel, penalty, weight
-            )
-        correct = ops.cast(
-            ops.equal(
-                ops.argmax(log_kernel, axis=-1), ops.argmax(labels_one_hot, axis=-1)
-            ),
-            "float32",
-        )
-        self._accuracy_tracker.update_state(correct, sample_weight=sample_weight)
-        self.compute_metrics(x, y, ops.exp(log_kernel), sample_weight)
 
     # ---------------------------------------------------------------- export
 

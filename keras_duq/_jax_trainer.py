@@ -175,10 +175,7 @@ class JAXTrainer(_trainer.Trainer):
             x,
             y,
             sample_weight,
-            log_kernel,
-            penalty,
-            total,
-            bce,
+            _trainer.StepValues(total, log_kernel, penalty, bce),
             labels_one_hot,
             code,
             penalised,
@@ -210,10 +207,7 @@ class JAXTrainer(_trainer.Trainer):
             x,
             y,
             sample_weight,
-            log_kernel,
-            penalty,
-            total,
-            bce,
+            _trainer.StepValues(total, log_kernel, penalty, bce),
             labels_one_hot,
             code,
         )
@@ -340,10 +334,7 @@ class JAXTrainer(_trainer.Trainer):
         x,
         y,
         sample_weight,
-        log_kernel,
-        penalty,
-        total,
-        bce,
+        values,
         labels_one_hot,
         code,
         penalised=None,
@@ -351,15 +342,7 @@ class JAXTrainer(_trainer.Trainer):
         mapping = list(zip(self.metrics_variables, metrics_variables))
         with keras.StatelessScope(state_mapping=mapping) as scope:
             self._update_duq_metrics(
-                x,
-                y,
-                sample_weight,
-                log_kernel,
-                penalty,
-                total,
-                bce,
-                labels_one_hot,
-                penalised,
+                x, y, sample_weight, values, labels_one_hot, penalised
             )
             self._error_tracker.update_state(code)
             logs = self.get_metrics_result()

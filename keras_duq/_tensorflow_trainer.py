@@ -162,10 +162,7 @@ class TensorFlowTrainer(_trainer.Trainer):
                 x,
                 y,
                 sample_weight,
-                log_kernel,
-                penalty,
-                objective,
-                bce,
+                _trainer.StepValues(objective, log_kernel, penalty, bce),
                 labels_one_hot,
                 penalised,
             ),
@@ -192,7 +189,11 @@ class TensorFlowTrainer(_trainer.Trainer):
             x, labels_one_hot, sample_weight
         )
         self._update_duq_metrics(
-            x, y, sample_weight, log_kernel, penalty, objective, bce, labels_one_hot
+            x,
+            y,
+            sample_weight,
+            _trainer.StepValues(objective, log_kernel, penalty, bce),
+            labels_one_hot,
         )
         return self._logs()
 

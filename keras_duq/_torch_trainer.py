@@ -114,10 +114,7 @@ class TorchTrainer(_trainer.Trainer):
                 x,
                 y,
                 sample_weight,
-                log_kernel.detach(),
-                _detached(penalty),
-                total.detach(),
-                bce.detach(),
+                _detached(_trainer.StepValues(total, log_kernel, penalty, bce)),
                 labels_one_hot,
             )
         return self.get_metrics_result()
@@ -139,10 +136,7 @@ class TorchTrainer(_trainer.Trainer):
                 x,
                 y,
                 sample_weight,
-                log_kernel.detach(),
-                _detached(penalty),
-                total.detach(),
-                bce.detach(),
+                _detached(_trainer.StepValues(total, log_kernel, penalty, bce)),
                 labels_one_hot,
             )
         return self.get_metrics_result()
@@ -199,5 +193,8 @@ def _assign(variables, values):
         variable.assign(value)
 
 
-def _detached(tensor):
-    return None if tensor is None else tensor.detach()
+def _detached(values):
+    """`values` (a `StepValues`) cut from the autograd graph, for the metrics."""
+    return _trainer.StepValues(
+        *(None if value is None else value.detach() for value in values)
+    )

@@ -25,11 +25,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
+from typing import NamedTuple
 
 import keras
 from keras import ops
 
 from keras_duq import _compat
+from keras_duq import _health
 from keras_duq import _ops
 from keras_duq import _penalty_input
 from keras_duq._validation import FRACTIONAL_LABEL_MESSAGE
@@ -341,6 +344,15 @@ def nan_for_non_finite_inputs(inputs, values):
     return nan_where_not_finite(finite_rows(inputs), values)
 
 
+class StepValues(NamedTuple):
+    """What one step reports to the metrics: the objective and its parts."""
+
+    objective: Any
+    log_kernel: Any
+    penalty: Any
+    bce: Any
+
+
 class Trainer:
     """The backend-neutral methods of `DUQModel`'s steps (a `keras.Model` mixin)."""
 
@@ -453,6 +465,38 @@ class Trainer:
         return arguments
 
     error_tracker_class = None
+
+    def _update_duq_metrics(
+        self, x, y, sample_weight, values, labels_one_hot, penalised=None
+    ):
+        """Updates the trackers from a step's `StepValues`; `penalised` (bool
+        tensor): whether the step computed `values.penalty`."""
+        objective, log_kernel, penalty, bce = values
+        batch_size = ops.cast(ops.shape(log_kernel)[0], "float32")
+        self._objective_tracker.update_state(objective, sample_weight=batch_size)
+        self._bce_tracker.update_state(bce, sample_weight=batch_size)
+        weight = None
+        if penalty is not None:
+            # A lazy penalty's `gradient_penalty` log: the mean over the
+            # steps that computed it.
+            weight = (
+                batch_size
+                if penalised is None
+                else batch_size * ops.cast(penalised, "float32")
+            )
+            self._penalty_tracker.update_state(ops.mean(penalty), sample_weight=weight)
+        if self._health_trackers:
+            _health.update_batch_metrics(
+                self._health_trackers, log_kernel, penalty, weight
+            )
+        correct = ops.cast(
+            ops.equal(
+                ops.argmax(log_kernel, axis=-1), ops.argmax(labels_one_hot, axis=-1)
+            ),
+            "float32",
+        )
+        self._accuracy_tracker.update_state(correct, sample_weight=sample_weight)
+        self.compute_metrics(x, y, ops.exp(log_kernel), sample_weight)
 
 
 def optimizer_steps_or_zero(model):
