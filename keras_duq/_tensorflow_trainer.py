@@ -76,7 +76,7 @@ def _nested_tape():
 _INPUT_GRADIENTS = _trainer.InputGradients(_tensor_gradients, _probe_gradients)
 
 
-class TensorFlowTrainer(_trainer.Trainer):
+class TensorFlowTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
     """DUQModel's steps on Keras's TensorFlow backend."""
 
     def train_step(self, data):
@@ -196,17 +196,6 @@ class TensorFlowTrainer(_trainer.Trainer):
             labels_one_hot,
         )
         return self._logs()
-
-    def make_train_function(self, force=False):
-        # XLA drops `Assert` ops without a word, so a function compiled whole
-        # would skip the batch checks and let a bad batch change the
-        # weights. With `jit_compile` on, the step compiles its computation
-        # with XLA itself (`_maybe_xla`) and keeps the checks and state
-        # updates around it.
-        return self._make_uncompiled(super().make_train_function, force)
-
-    def make_test_function(self, force=False):
-        return self._make_uncompiled(super().make_test_function, force)
 
     @staticmethod
     def prepare_arguments(method, arguments):

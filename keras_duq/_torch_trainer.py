@@ -59,7 +59,7 @@ def _differentiable_gradients(function, tensors):
 _INPUT_GRADIENTS = _trainer.InputGradients(_tensor_gradients, _probe_gradients)
 
 
-class TorchTrainer(_trainer.Trainer):
+class TorchTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
     """DUQModel's steps on Keras's PyTorch backend."""
 
     def train_step(self, data):
@@ -141,16 +141,9 @@ class TorchTrainer(_trainer.Trainer):
             )
         return self.get_metrics_result()
 
-    # The steps run eagerly: `torch.compile` does not differentiate twice,
-    # and the penalty needs it. Prediction runs eagerly too, so that a model
-    # compiled where `jit_compile="auto"` means XLA (JAX) and loaded here
-    # does not spend its first call compiling.
-
-    def make_train_function(self, force=False):
-        return self._make_uncompiled(super().make_train_function, force)
-
-    def make_test_function(self, force=False):
-        return self._make_uncompiled(super().make_test_function, force)
+    # Prediction runs eagerly too (the steps: `UncompiledSteps`), so that a
+    # model compiled where `jit_compile="auto"` means XLA (JAX) and loaded
+    # here does not spend its first call compiling.
 
     def make_predict_function(self, force=False):
         return self._make_uncompiled(super().make_predict_function, force)

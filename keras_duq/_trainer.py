@@ -353,6 +353,23 @@ class StepValues(NamedTuple):
     bce: Any
 
 
+class UncompiledSteps:
+    """Training and test functions that are never compiled whole (TensorFlow, PyTorch).
+
+    XLA drops `Assert` ops without a word, so a function compiled whole
+    would skip the batch checks and let a bad batch change the weights; with
+    `jit_compile` on, the TensorFlow step compiles its computation with XLA
+    itself and keeps the checks and state updates around it. PyTorch's
+    `torch.compile` does not differentiate twice, which the penalty needs.
+    """
+
+    def make_train_function(self, force=False):
+        return self._make_uncompiled(super().make_train_function, force)
+
+    def make_test_function(self, force=False):
+        return self._make_uncompiled(super().make_test_function, force)
+
+
 class Trainer:
     """The backend-neutral methods of `DUQModel`'s steps (a `keras.Model` mixin)."""
 
