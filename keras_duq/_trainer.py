@@ -19,6 +19,9 @@ differentiates `objective`, applies the optimizer and acts on the error
 code in its own way, with one promise on every backend: a rejected batch
 changes no weight, centroid, optimizer slot or `optimizer.iterations`, and
 the error names the cause.
+
+What the mixins need from the model they are mixed into is written down as
+`DUQModelAttributes`.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 from typing import NamedTuple
+from typing import Protocol
 
 import keras
 from keras import ops
@@ -351,6 +355,34 @@ class StepValues(NamedTuple):
     log_kernel: Any
     penalty: Any
     bce: Any
+
+
+class DUQModelAttributes(Protocol):
+    """The contract of the trainer mixins: what `DUQModel` gives them.
+
+    `Trainer` and the backend classes read these, and nothing else of the
+    model but Keras's own `keras.Model` API (`optimizer`, `trainable_weights`,
+    `non_trainable_variables`, `compute_metrics`, `jit_compile`, ...).
+    """
+
+    feature_extractor: keras.Model
+    duq_output: Any  # `DUQOutput`
+    num_classes: int
+    gradient_penalty: float
+    penalty: str
+    penalty_interval: int
+    penalty_input: str | None
+    weight_decay: float
+    bce_epsilon: float
+    categorical_cross_entropy_weight: float
+    # The `keras.metrics.Mean` trackers the steps update (`_update_duq_metrics`).
+    _objective_tracker: keras.metrics.Mean
+    _bce_tracker: keras.metrics.Mean
+    _penalty_tracker: keras.metrics.Mean
+    _accuracy_tracker: keras.metrics.Mean
+    _health_trackers: list[keras.metrics.Mean]
+    # The feature extractor with the penalty's probe at `penalty_input`.
+    _probed_feature_extractor: keras.Model
 
 
 class UncompiledSteps:
