@@ -482,6 +482,9 @@ def main(argv=None):
     methods = ["duq"] + (["softmax"] if args.softmax else [])
     if args.softmax_only:
         methods = ["softmax"]
+    softmax_label = "softmax" + (
+        f", clipnorm={args.clipnorm:g}" if args.clipnorm is not None else ""
+    )
     for seed in args.seeds:
         for method in methods:
             record = run(
@@ -493,7 +496,7 @@ def main(argv=None):
                 args.clipnorm,
             )
             record.update(
-                label=args.label if method == "duq" else "softmax",
+                label=args.label if method == "duq" else softmax_label,
                 keras_duq=keras_duq.__version__,
                 keras=keras.__version__,
                 backend=keras.backend.backend(),

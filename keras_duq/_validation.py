@@ -42,9 +42,12 @@ NON_FINITE_TRAINING_MESSAGE = (
     "that are not normalised (e.g. raw 0-255 pixels: scale them to about "
     "unit variance); a learning rate that is too high (lower it, or clip "
     "gradients with the optimizer's `clipnorm`); a `length_scale` that is "
-    "too small for the scale of the features (try a larger one); per-class "
-    "projections `W` too slow to follow the backbone, as under SGD on a "
-    "BatchNormalization ResNet (pass `projection_learning_rate=1.0`)."
+    "too small for the scale of the features (try a larger one); a backbone "
+    "with BatchNormalization whose weights grow faster than its moving "
+    "statistics follow (SGD at a high rate from scratch): the inference-mode "
+    "features that update the centroids run away (clip gradients with "
+    "`clipnorm=1.0`, or pass `projection_learning_rate=1.0`; "
+    "docs/beyond_fashion_mnist.md)."
 )
 
 NON_FINITE_STEP_MESSAGE = (
