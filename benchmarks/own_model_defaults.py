@@ -354,8 +354,10 @@ def append_feature_layer(backbone, kind):
     return keras.Sequential([backbone, layer])
 
 
-def make_optimizer(name, projection_learning_rate=1.0):
+def make_optimizer(name, projection_learning_rate=1.0, clipnorm=None):
     """The optimizer; `projection_learning_rate` scales its rate for DUQ's `W`.
+
+    `clipnorm`: Keras's per-gradient norm clipping (`None`: none).
 
     Keras optimizers have no per-variable rate, so this one scales the rate
     in `update_step` for the variable named `duq_output/kernel` (TensorFlow
@@ -371,6 +373,8 @@ def make_optimizer(name, projection_learning_rate=1.0):
         kwargs = {"learning_rate": 0.05, "momentum": 0.9}
     else:
         raise ValueError(f"Unknown optimizer. Received: {name!r}")
+    if clipnorm is not None:
+        kwargs["clipnorm"] = clipnorm
     if projection_learning_rate == 1.0:
         return base(**kwargs)
     if keras.backend.backend() != "tensorflow":
@@ -491,6 +495,8 @@ def summarize(path, at_epochs=(1, 3, 10)):
                     "categorical_cross_entropy_weight",
                     settings.get("categorical_cross_entropy_weight", 0.0),
                 )
+            if record.get("clipnorm") is not None:
+                settings["clipnorm"] = record["clipnorm"]
             settings = json.dumps(settings, sort_keys=True)
             head = ", ".join([record["head"], *_setup(record)])
             key = (record["backbone"], head, settings)
@@ -583,6 +589,12 @@ def main(argv=None):
         help="Multiplies the optimizer's rate for DUQ's projection W (TensorFlow), "
         "on top of the layer's `projection_learning_rate`.",
     )
+    parser.add_argument(
+        "--clipnorm",
+        type=float,
+        default=None,
+        help="Clip each gradient to this norm (the optimizer's `clipnorm`).",
+    )
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
@@ -655,14 +667,16 @@ def main(argv=None):
         if stddev is not None:
             set_initial_centroids(model.duq_output, stddev, args.seed)
         model.compile(
-            optimizer=make_optimizer(args.optimizer, args.projection_learning_rate)
+            optimizer=make_optimizer(
+                args.optimizer, args.projection_learning_rate, args.clipnorm
+            )
         )
     else:
         model = keras.Sequential(
             [backbone, keras.layers.Dense(10, activation="softmax")]
         )
         model.compile(
-            optimizer=make_optimizer(args.optimizer),
+            optimizer=make_optimizer(args.optimizer, clipnorm=args.clipnorm),
             loss="sparse_categorical_crossentropy",
             metrics=["accuracy"],
         )
@@ -698,6 +712,7 @@ def main(argv=None):
         "recompute_callback": args.recompute_callback,
         "initial_centroid_stddev": args.initial_centroid_stddev,
         "optimizer": args.optimizer,
+        "clipnorm": args.clipnorm,
         "projection_learning_rate": args.projection_learning_rate,
         "head_projection_learning_rate": (
             model.duq_output.projection_learning_rate if args.head == "duq" else None
