@@ -73,6 +73,25 @@ def _axes(
     return pyplot.figure(figsize=figsize).add_subplot(), True
 
 
+# Every plot's last argument and its return value, written once.
+_AXES_DOC = """
+        ax: optional `matplotlib.axes.Axes` to draw on. Defaults to a new
+            pyplot figure, which becomes the current figure.
+
+    Returns:
+        The `matplotlib.axes.Axes` drawn on (its figure: `axes.figure`;
+        keras_duq 0.2 returned the figure).
+    """
+
+
+def _documents_axes(function):
+    """Ends `function`'s docstring (its `Args:` last) with `_AXES_DOC`."""
+    if function.__doc__:  # `python -OO` strips docstrings
+        function.__doc__ = function.__doc__.rstrip() + "\n" + _AXES_DOC.lstrip("\n")
+    return function
+
+
+@_documents_axes
 def plot_certainty_map(
     model: keras.Model,
     x_train: np.ndarray,
@@ -104,13 +123,6 @@ def plot_certainty_map(
         y_range: `(min, max)` of the second input dimension.
         resolution: number of grid points per dimension.
         title: optional title.
-
-        ax: optional `matplotlib.axes.Axes` to draw on. Defaults to a new
-            pyplot figure, which becomes the current figure.
-
-    Returns:
-        The `matplotlib.axes.Axes` drawn on. (keras_duq 0.2 returned its
-        figure, which is `axes.figure`.)
     """
     xs = np.linspace(*x_range, resolution)
     ys = np.linspace(*y_range, resolution)
@@ -135,6 +147,7 @@ def plot_certainty_map(
     return _finish(axes, created, title, legend_loc="lower left", fontsize="small")
 
 
+@_documents_axes
 def plot_roc_curve(
     in_certainty: ArrayLike,
     ood_certainty: ArrayLike,
@@ -165,13 +178,6 @@ def plot_roc_curve(
         ood_certainty: array-like `(num_ood,)`, certainty on OoD data.
         label: optional name of the model, shown in the legend.
         title: optional title.
-
-        ax: optional `matplotlib.axes.Axes` to draw on. Defaults to a new
-            pyplot figure, which becomes the current figure.
-
-    Returns:
-        The `matplotlib.axes.Axes` drawn on. (keras_duq 0.2 returned its
-        figure, which is `axes.figure`.)
     """
     in_certainty = as_certainty("in_certainty", in_certainty)
     ood_certainty = as_certainty("ood_certainty", ood_certainty)
@@ -189,6 +195,7 @@ def plot_roc_curve(
     return _finish(axes, created, title, legend_loc="lower right")
 
 
+@_documents_axes
 def plot_rejection_curve(
     curve: dict[str, np.ndarray] | None = None,
     *,
@@ -230,13 +237,6 @@ def plot_rejection_curve(
             (predictions counted as wrong).
         label: optional name of the model, shown in the legend.
         title: optional title.
-
-        ax: optional `matplotlib.axes.Axes` to draw on. Defaults to a new
-            pyplot figure, which becomes the current figure.
-
-    Returns:
-        The `matplotlib.axes.Axes` drawn on. (keras_duq 0.2 returned its
-        figure, which is `axes.figure`.)
     """
     given_inputs = in_certainty is not None or in_correct is not None
     if (curve is None) == (not given_inputs) or (
@@ -286,6 +286,7 @@ def plot_rejection_curve(
     return _finish(axes, created, title, legend_loc="lower right")
 
 
+@_documents_axes
 def plot_certainty_histograms(
     in_certainty: ArrayLike,
     ood_certainty: ArrayLike,
@@ -322,13 +323,6 @@ def plot_certainty_histograms(
         xlabel: label of the x axis, e.g. `"max kernel value"` or
             `"negative entropy"`.
         title: optional title.
-
-        ax: optional `matplotlib.axes.Axes` to draw on. Defaults to a new
-            pyplot figure, which becomes the current figure.
-
-    Returns:
-        The `matplotlib.axes.Axes` drawn on. (keras_duq 0.2 returned its
-        figure, which is `axes.figure`.)
     """
     check_int("bins", bins, minimum=1)
     in_certainty = as_certainty("in_certainty", in_certainty)
@@ -361,6 +355,7 @@ def plot_certainty_histograms(
     return _finish(axes, created, title, legend_loc="upper center")
 
 
+@_documents_axes
 def plot_reliability_diagram(
     confidence: ArrayLike,
     correct: ArrayLike,
@@ -400,11 +395,6 @@ def plot_reliability_diagram(
             (equal-count bins), as in `calibration_curve`.
         label: optional name of the model, shown in the legend.
         title: optional title.
-        ax: optional `matplotlib.axes.Axes` to draw on. Defaults to a new
-            pyplot figure, which becomes the current figure.
-
-    Returns:
-        The `matplotlib.axes.Axes` drawn on.
     """
     curve = _evaluation.calibration_curve(confidence, correct, num_bins, strategy)
     ece = _evaluation.expected_calibration_error(
