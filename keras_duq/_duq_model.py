@@ -404,7 +404,7 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
             try:
                 history = super().fit(*args, **kwargs)
             except UnboundLocalError:
-                raise
+                raise  # no batches: `_empty_data_error` says so
             except Exception as error:
                 rejected = _trainer.rejected_batch_error(self, error, iterations)
                 if rejected is None:

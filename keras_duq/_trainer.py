@@ -549,6 +549,7 @@ class Trainer:
 
 
 def optimizer_steps_or_zero(model):
+    """`optimizer_steps(model)`, 0 before `compile`: the count a call compares before and after."""
     return optimizer_steps(model) or 0
 
 
