@@ -151,7 +151,7 @@ model = keras_duq.wrap(
     length_scale=0.1,
     momentum=0.999,
     gradient_penalty=0.5,
-    **keras_duq.PAPER_SETTINGS,  # the paper's loss, W at the optimizer's rate
+    **keras_duq.PAPER_SETTINGS,  # the paper's loss, W's rate, no clipping
 )
 steps = epochs * int(train.cardinality())
 schedule = keras.optimizers.schedules.PiecewiseConstantDecay(

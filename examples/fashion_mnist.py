@@ -99,7 +99,7 @@ model = keras_duq.wrap(
     length_scale=0.1,
     momentum=0.999,
     gradient_penalty=0.05,
-    **keras_duq.PAPER_SETTINGS,  # the paper's loss, W at the optimizer's rate
+    **keras_duq.PAPER_SETTINGS,  # the paper's loss, W's rate, no clipping
 )
 
 # SGD as in the paper: learning rate 0.05, divided by 5 after a third and after

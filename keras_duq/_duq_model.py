@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import inspect
 import os
@@ -21,6 +22,7 @@ from keras_duq import _trainer
 from keras_duq._duq_output import find_duq_output
 from keras_duq._typing import Tensor
 from keras_duq._validation import check_non_negative
+from keras_duq._validation import check_positive
 from keras_duq._validation import check_positive_int
 from keras_duq._validation import is_float
 from keras_duq._validation import label_dtype_message
@@ -61,6 +63,7 @@ _BackendTrainer = _backend_trainer()
 DEFAULT_GRADIENT_PENALTY = 0.1
 DEFAULT_WEIGHT_DECAY = 1e-4
 DEFAULT_CATEGORICAL_CROSS_ENTROPY_WEIGHT = 1.0
+DEFAULT_CLIPNORM = 1.0
 
 
 def default_categorical_cross_entropy_weight(feature_extractor: keras.Layer) -> float:
@@ -216,6 +219,16 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
             are in docs/own_model.md and docs/beyond_fashion_mnist.md. The
             weight used is saved with the model. `0` is the paper's loss
             (`keras_duq.PAPER_SETTINGS`).
+        clipnorm: float > 0 or `None`, clips each weight's gradient to this
+            L2 norm before the optimizer's step, as the optimizer argument of
+            the same name does (under loss scaling: the unscaled gradient).
+            It keeps a backbone trained from scratch from growing faster
+            than its BatchNormalization statistics follow, which made the
+            centroids diverge on CIFAR-10 with SGD. Where the optimizer clips
+            its gradients itself (`clipnorm`, `global_clipnorm` or
+            `clipvalue`), the optimizer's setting rules instead. `None` turns
+            it off, as in the paper (`keras_duq.PAPER_SETTINGS`). Defaults
+            to `1.0`.
         health_checks: bool, whether `fit`, `evaluate` and `predict` watch
             DUQ's failure modes (kernel values that underflow, unsettled
             BatchNormalization statistics, centroids that never received
@@ -243,6 +256,7 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
         weight_decay: float = DEFAULT_WEIGHT_DECAY,
         bce_epsilon: float = 0.0,
         categorical_cross_entropy_weight: float | None = None,
+        clipnorm: float | None = DEFAULT_CLIPNORM,
         health_checks: bool = True,
         penalty_input: str | None = None,
         **kwargs: Any,
@@ -255,6 +269,8 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
                 "categorical_cross_entropy_weight", categorical_cross_entropy_weight
             )
         check_positive_int("penalty_interval", penalty_interval)
+        if clipnorm is not None:
+            check_positive("clipnorm", clipnorm, "or `None` (no clipping)")
         _ops.validate_penalty(penalty)
         if not isinstance(health_checks, bool):
             raise ValueError(
@@ -295,6 +311,7 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
                 feature_extractor
             )
         self.categorical_cross_entropy_weight = float(categorical_cross_entropy_weight)
+        self.clipnorm = None if clipnorm is None else float(clipnorm)
         self.num_classes = duq_output.num_classes
         self._objective_tracker = keras.metrics.Mean(name="loss")
         self._bce_tracker = keras.metrics.Mean(name="bce")
@@ -583,6 +600,7 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
             "bce_epsilon": self.bce_epsilon,
             "categorical_cross_entropy_weight": self.categorical_cross_entropy_weight,
             "categorical_cross_entropy_per_example": True,
+            "clipnorm": self.clipnorm,
             "health_checks": self.health_checks,
             "penalty_input": self.penalty_input,
         }
@@ -591,8 +609,14 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
     def from_config(
         cls, config: dict[str, Any], custom_objects: dict[str, Any] | None = None
     ) -> DUQModel:
-        # Files saved before the categorical term existed trained without it.
-        config = {"categorical_cross_entropy_weight": 0.0, **config}
+        # Files saved before the categorical term or clipping existed
+        # trained without them. Copied: Keras's deserialisation consumes the
+        # nested configs, and the caller's `config` stays usable.
+        config = {
+            "categorical_cross_entropy_weight": 0.0,
+            "clipnorm": None,
+            **copy.deepcopy(config),
+        }
         per_example = config.pop("categorical_cross_entropy_per_example", False)
         feature_extractor = keras.saving.deserialize_keras_object(
             config.pop("feature_extractor"), custom_objects=custom_objects

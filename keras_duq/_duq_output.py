@@ -12,6 +12,7 @@ from keras_duq import _trainer
 from keras_duq._typing import Tensor
 from keras_duq._validation import NON_FINITE_CENTROID_MESSAGE
 from keras_duq._validation import check_int
+from keras_duq._validation import check_positive
 
 DEFAULT_KERNEL_INITIALIZER = "he_normal"
 # The default centroid size is the number of features, capped here: the head
@@ -131,10 +132,8 @@ class DUQOutput(keras.layers.Layer):
             `0.1`: `W` stays closer to its random initial value, which keeps
             more of the separation of out-of-distribution inputs that the
             backbone's features hold (docs/own_model.md). `1.0` trains `W`
-            like every other weight, as the paper does; use it where a slow
-            `W` cannot follow the backbone, e.g. a BatchNormalization ResNet
-            under SGD at the paper's rate, whose training otherwise stops on
-            a non-finite update (docs/beyond_fashion_mnist.md). Exact for
+            like every other weight, as the paper does
+            (docs/beyond_fashion_mnist.md compares both). Exact for
             optimizers whose step is proportional to the learning rate (SGD,
             Adam and their kin):
             `kernel` holds `W / projection_learning_rate`, and the layer
@@ -208,17 +207,12 @@ class DUQOutput(keras.layers.Layer):
                 "Expected `momentum` to be a float in [0, 1) (the paper uses "
                 f"0.99 to 0.999). Received: `momentum={momentum!r}`"
             )
-        if (
-            not isinstance(projection_learning_rate, (int, float))
-            or isinstance(projection_learning_rate, bool)
-            or not 0 < projection_learning_rate < float("inf")
-        ):
-            raise ValueError(
-                "Expected `projection_learning_rate` to be a float > 0 (a "
-                "multiple of the optimizer's learning rate; to keep `W` "
-                "fixed, pass `trainable_projection=False`). "
-                f"Received: `projection_learning_rate={projection_learning_rate!r}`"
-            )
+        check_positive(
+            "projection_learning_rate",
+            projection_learning_rate,
+            "(a multiple of the optimizer's learning rate; to keep `W` fixed, "
+            "pass `trainable_projection=False`)",
+        )
         if head not in HEADS:
             raise ValueError(
                 f"Unknown `head`. Expected one of {HEADS}: 'per_class' is the "

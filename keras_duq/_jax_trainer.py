@@ -126,7 +126,8 @@ class JAXTrainer(_trainer.Trainer):
                     scaled = optimizer.scale_loss(total)
                 return scaled, (total, bce, log_kernel, penalty, new_non_trainable)
 
-            return jax.grad(loss, has_aux=True)(trainable)
+            gradients, aux = jax.grad(loss, has_aux=True)(trainable)
+            return self._clipped(gradients, scale), aux
 
         penalised = None
         if self._lazy_penalty:

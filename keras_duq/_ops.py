@@ -324,6 +324,27 @@ def rate_scaled(stored: Tensor, rate: float) -> Tensor:
     return stored + ops.stop_gradient((rate - 1.0) * stored)
 
 
+def clipped_by_norm(
+    gradients: Iterable[Tensor | None], clipnorm: float | Tensor
+) -> list[Tensor | None]:
+    """Each gradient scaled down to L2 norm `clipnorm` where it is longer.
+
+    Keras's optimizer argument `clipnorm` (per weight, not global): a
+    gradient `g` becomes `g * clipnorm / max(||g||, clipnorm)`. A
+    non-finite gradient stays non-finite, so the step's finiteness check
+    still sees it; `None` (a weight the loss does not reach) stays `None`.
+    """
+    clipped = []
+    for gradient in gradients:
+        if gradient is None:
+            clipped.append(None)
+            continue
+        bound = ops.cast(clipnorm, gradient.dtype)
+        norm = ops.sqrt(ops.sum(ops.square(gradient)))
+        clipped.append(gradient * (bound / ops.maximum(norm, bound)))
+    return clipped
+
+
 def coupled_weight_decay_loss(
     weights: Iterable[Tensor],
     weight_decay: float | Tensor,

@@ -120,6 +120,7 @@ class TensorFlowTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
             gradients, log_kernel, penalty, objective, bce = _maybe_xla(
                 self, gradients_and_losses
             )(x, labels_one_hot, sample_weight)
+        gradients = self._clipped_as_one_batch(gradients)
         finite = _trainer.all_finite(
             gradients
             + [objective]
@@ -251,6 +252,36 @@ class TensorFlowTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
         if not self._uses_loss_scale():
             return None
         return ops.cast(self.optimizer.scale_loss(1.0), "float32")
+
+    def _clipped_as_one_batch(self, gradients):
+        """`gradients` clipped (`clipnorm`) as the whole batch's gradient would be.
+
+        With several replicas each holds the gradient of its share of the
+        batch, and the optimizer sums them: here each passes on its share of
+        the clipped sum instead, so that training matches one device.
+        Embedding gradients (`tf.IndexedSlices`) are clipped by the norm of
+        their values, as the optimizer's own `clipnorm` clips them.
+        """
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        if replicas > 1 and self._clipnorm_in_effect() is not None:
+            indices = [i for i, g in enumerate(gradients) if g is not None]
+            summed = tf.distribute.get_replica_context().all_reduce(
+                tf.distribute.ReduceOp.SUM, [gradients[i] for i in indices]
+            )
+            gradients = list(gradients)
+            for i, gradient in zip(indices, summed):
+                gradients[i] = _scaled(gradient, 1.0 / replicas)
+        sparse = [isinstance(g, tf.IndexedSlices) for g in gradients]
+        values = [g.values if s else g for g, s in zip(gradients, sparse)]
+        # The bound scales with the replicas' shares too.
+        scale = self._input_gradient_scale()
+        if replicas > 1:
+            scale = (1.0 if scale is None else scale) / replicas
+        values = self._clipped(values, scale)
+        return [
+            tf.IndexedSlices(v, g.indices, g.dense_shape) if s else v
+            for g, v, s in zip(gradients, values, sparse)
+        ]
 
     def _update_centroids(self, x, labels_one_hot, rollback=None):
         features = _maybe_xla(
@@ -402,6 +433,15 @@ def _maybe_xla(model, function):
         # No tensor-dependent Python control flow inside: no AutoGraph.
         return tf.function(function, jit_compile=True, autograph=False)
     return function
+
+
+def _scaled(gradient, factor):
+    """`factor * gradient`, dense or `tf.IndexedSlices`."""
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(
+            gradient.values * factor, gradient.indices, gradient.dense_shape
+        )
+    return gradient * factor
 
 
 def _restore_unless(condition, variables, saved):

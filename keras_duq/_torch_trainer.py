@@ -72,6 +72,7 @@ class TorchTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
             penalised = bool(self._is_penalty_step(self.optimizer.iterations))
         layer_state = self._layer_state()
         saved = _copies(layer_state)
+        scale = self._input_gradient_scale()
         with torch.enable_grad():
             total, (log_kernel, penalty, bce, _) = _trainer.objective(
                 self._forward(training=True),
@@ -81,12 +82,12 @@ class TorchTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
                 sample_weight,
                 values,
                 self._objective_settings(training=True, with_penalty=penalised),
-                self._input_gradient_scale(),
+                scale,
             )
             gradients = torch.autograd.grad(
                 self.optimizer.scale_loss(total), values, allow_unused=True
             )
-        gradients = list(gradients)
+        gradients = self._clipped(gradients, scale)
         finite = _all_finite(gradients + [total] + [v.value for v in layer_state])
         if not finite:
             _assign(layer_state, saved)

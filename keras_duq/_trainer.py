@@ -375,6 +375,7 @@ class DUQModelAttributes(Protocol):
     weight_decay: float
     bce_epsilon: float
     categorical_cross_entropy_weight: float
+    clipnorm: float | None
     # The `keras.metrics.Mean` trackers the steps update (`_update_duq_metrics`).
     _objective_tracker: keras.metrics.Mean
     _bce_tracker: keras.metrics.Mean
@@ -441,6 +442,30 @@ class Trainer:
             head.projection_learning_rate if weight is head.kernel else 1.0
             for weight in self.trainable_weights
         )
+
+    def _clipped(self, gradients, loss_scale=None):
+        """`gradients` clipped to the model's `clipnorm` (see `DUQModel`).
+
+        Where the optimizer clips its gradients itself, its own setting
+        rules, and `gradients` pass as they are. Under loss scaling
+        (`loss_scale`: the scale, else `None`) the gradients are that many
+        times the true ones, and so is the bound.
+        """
+        clipnorm = self._clipnorm_in_effect()
+        if clipnorm is None:
+            return list(gradients)
+        bound = clipnorm if loss_scale is None else clipnorm * loss_scale
+        return _ops.clipped_by_norm(gradients, bound)
+
+    def _clipnorm_in_effect(self):
+        """The model's `clipnorm`, or `None` where the optimizer clips itself."""
+        optimizer = getattr(self.optimizer, "inner_optimizer", self.optimizer)
+        if any(
+            getattr(optimizer, name, None) is not None
+            for name in ("clipnorm", "global_clipnorm", "clipvalue")
+        ):
+            return None
+        return self.clipnorm
 
     def _check_batch(self, x, y, sample_weight):
         """`check_batch` for this model; structural errors raise here."""

@@ -26,6 +26,22 @@ def check_non_negative(name: str, value: Any) -> None:
         )
 
 
+def check_positive(name: str, value: Any, detail: str = "") -> None:
+    """Raises a `ValueError` unless `value` is a finite number > 0.
+
+    `detail`, if given, follows "a float > 0" in the message.
+    """
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not 0 < value < float("inf")
+    ):
+        detail = f" {detail}" if detail else ""
+        raise ValueError(
+            f"Expected `{name}` to be a float > 0{detail}. Received: `{name}={value!r}`"
+        )
+
+
 def check_positive_int(name: str, value: Any) -> None:
     """Raises a `ValueError` unless `value` is an integer >= 1."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -41,12 +57,13 @@ NON_FINITE_TRAINING_MESSAGE = (
     "values) and training stopped. Likely causes, most common first: inputs "
     "that are not normalised (e.g. raw 0-255 pixels: scale them to about "
     "unit variance); a learning rate that is too high (lower it, or clip "
-    "gradients with the optimizer's `clipnorm`); a `length_scale` that is "
-    "too small for the scale of the features (try a larger one); a backbone "
-    "with BatchNormalization whose weights grow faster than its moving "
-    "statistics follow (SGD at a high rate from scratch): the inference-mode "
-    "features that update the centroids run away (clip gradients with "
-    "`clipnorm=1.0`, or pass `projection_learning_rate=1.0`; "
+    "gradients harder with the model's `clipnorm`); a `length_scale` that "
+    "is too small for the scale of the features (try a larger one); a "
+    "backbone with BatchNormalization whose weights grow faster than its "
+    "moving statistics follow (SGD at a high rate from scratch): the "
+    "inference-mode features that update the centroids run away (keep "
+    "gradient clipping on: the model's `clipnorm`, 1.0 unless it was turned "
+    "off, or the optimizer's; or pass `projection_learning_rate=1.0`; "
     "docs/beyond_fashion_mnist.md)."
 )
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import keras
 
+from keras_duq._duq_model import DEFAULT_CLIPNORM
 from keras_duq._duq_model import DEFAULT_GRADIENT_PENALTY
 from keras_duq._duq_model import DEFAULT_WEIGHT_DECAY
 from keras_duq._duq_model import DUQModel
@@ -17,13 +18,15 @@ from keras_duq._duq_output import PAPER_PROJECTION_LEARNING_RATE
 from keras_duq._duq_output import DUQOutput
 
 # The paper's method where the library's defaults differ from it: the loss
-# without the categorical term, and `W` learning at the optimizer's rate. The
+# without the categorical term, `W` learning at the optimizer's rate, and
+# gradients as they are (not clipped). The
 # paper's problem-specific values (length scale, penalty weight, centroid size)
 # stay arguments of their own.
 PAPER_SETTINGS = types.MappingProxyType(
     {
         "categorical_cross_entropy_weight": 0.0,
         "projection_learning_rate": PAPER_PROJECTION_LEARNING_RATE,
+        "clipnorm": None,
     }
 )
 
@@ -49,6 +52,7 @@ def wrap(
     trainable_projection: bool = True,
     projection_learning_rate: float = DEFAULT_PROJECTION_LEARNING_RATE,
     head: str = "auto",
+    clipnorm: float | None = DEFAULT_CLIPNORM,
     health_checks: bool = True,
     penalty_input: str | None = None,
     input_shape: Sequence[int | None] | None = None,
@@ -130,12 +134,15 @@ def wrap(
         projection_learning_rate: float > 0, the rate at which `W` learns,
             as a multiple of the optimizer's. Defaults to `0.1`, which keeps
             more separation of out-of-distribution inputs; `1.0` is the
-            paper's, and what a BatchNormalization ResNet under SGD needs
-            (see `DUQOutput`).
+            paper's (see `DUQOutput`).
         head: `"auto"` (default), `"per_class"` (the paper's: one
             projection per class) or `"shared"` (one projection for all
             classes, for many classes); `"auto"` takes the per-class head
             up to 2**24 projection values (see `DUQOutput`).
+        clipnorm: float > 0 or `None`, clips each weight's gradient to this
+            L2 norm before the optimizer's step, unless the optimizer clips
+            its gradients itself (see `DUQModel`). `None` turns it off, as
+            in the paper. Defaults to `1.0`.
         health_checks: bool, whether `fit`, `evaluate` and `predict` warn
             (once per cause, with a `keras_duq.DUQHealthWarning`) about
             DUQ's failure modes and log the numbers behind them (see
@@ -192,6 +199,7 @@ def wrap(
         weight_decay=weight_decay,
         bce_epsilon=bce_epsilon,
         categorical_cross_entropy_weight=categorical_cross_entropy_weight,
+        clipnorm=clipnorm,
         health_checks=health_checks,
         penalty_input=penalty_input,
         name=name,

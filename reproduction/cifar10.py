@@ -471,7 +471,7 @@ def build_duq_model(args, steps_per_epoch: int, seed: int) -> keras_duq.DUQModel
         weight_decay=args.weight_decay,
         bce_epsilon=args.bce_epsilon,
         bias_correction=args.bias_correction,
-        **keras_duq.PAPER_SETTINGS,  # the paper's loss, W at the optimizer's rate
+        **keras_duq.PAPER_SETTINGS,  # the paper's loss, W's rate, no clipping
     )
     head = model.duq_output
     if args.initial_centroid_count:

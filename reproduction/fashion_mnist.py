@@ -246,7 +246,7 @@ def build_duq_model(args, steps_per_epoch: int) -> keras_duq.DUQModel:
         weight_decay=WEIGHT_DECAY,
         bce_epsilon=args.bce_epsilon,
         bias_correction=args.bias_correction,
-        **keras_duq.PAPER_SETTINGS,  # the paper's loss, W at the optimizer's rate
+        **keras_duq.PAPER_SETTINGS,  # the paper's loss, W's rate, no clipping
     )
     model.compile(
         optimizer=make_optimizer(steps_per_epoch, args.epochs),

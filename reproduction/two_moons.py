@@ -190,7 +190,7 @@ def build_model(
         penalty_interval=penalty_interval,
         weight_decay=1e-4,
         bias_correction=bias_correction,
-        **keras_duq.PAPER_SETTINGS,  # the paper's loss, W at the optimizer's rate
+        **keras_duq.PAPER_SETTINGS,  # the paper's loss, W's rate, no clipping
     )
     model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9))
     return model

@@ -1034,11 +1034,64 @@ def test_xla_step_matches_graph_step():
         ({"penalty": "both"}, "two_sided"),
         ({"penalty_interval": 0}, "penalty_interval"),
         ({"penalty_interval": 2.0}, "penalty_interval"),
+        ({"clipnorm": 0.0}, "clipnorm"),
+        ({"clipnorm": float("inf")}, "clipnorm"),
+        ({"clipnorm": True}, "clipnorm"),
     ],
 )
 def test_bad_model_arguments(kwargs, message):
     with pytest.raises(ValueError, match=f"(?s){message}.*Received"):
         _model(**kwargs)
+
+
+def _one_step_weights(optimizer, **kwargs):
+    model = _model(**kwargs)
+    model.compile(optimizer=optimizer)
+    x, y = _data()
+    # Far from unit variance: the first gradients are longer than 1e-3.
+    model.train_on_batch(x * 3.0, y)
+    return [keras.ops.convert_to_numpy(w) for w in model.trainable_weights]
+
+
+def _assert_weights_close(first, second):
+    for a, b in zip(first, second):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("loss_scale", [False, True], ids=["plain", "loss_scale"])
+def test_clipnorm_clips_as_the_optimizer_argument_does(loss_scale):
+    def sgd(**clipping):
+        optimizer = keras.optimizers.SGD(0.05, **clipping)
+        if loss_scale:
+            optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+        return optimizer
+
+    model_clipped = _one_step_weights(sgd(), clipnorm=1e-3)
+    optimizer_clipped = _one_step_weights(sgd(clipnorm=1e-3), clipnorm=None)
+    _assert_weights_close(model_clipped, optimizer_clipped)
+    unclipped = _one_step_weights(sgd(), clipnorm=None)
+    assert any(not np.allclose(a, b) for a, b in zip(model_clipped, unclipped)), (
+        "the bound was never reached: the test measures nothing"
+    )
+
+
+def test_optimizer_clipping_rules_over_the_models():
+    optimizer_only = _one_step_weights(
+        keras.optimizers.SGD(0.05, clipvalue=1e-3), clipnorm=None
+    )
+    both = _one_step_weights(keras.optimizers.SGD(0.05, clipvalue=1e-3))
+    _assert_weights_close(both, optimizer_only)
+
+
+def test_clipnorm_is_saved_and_old_files_load_unclipped():
+    model = _model(clipnorm=0.5)
+    config = model.get_config()
+    assert config["clipnorm"] == 0.5
+    assert keras_duq.DUQModel.from_config(config).clipnorm == 0.5
+    del config["clipnorm"]
+    assert keras_duq.DUQModel.from_config(config).clipnorm is None
+    assert _model().clipnorm == 1.0
+    assert keras_duq.PAPER_SETTINGS["clipnorm"] is None
 
 
 def test_outputs_must_come_from_duq_output():
@@ -1051,20 +1104,42 @@ def test_outputs_must_come_from_duq_output():
 @pytest.mark.parametrize("gradient_penalty", [0.0, 1.0], ids=["no_penalty", "penalty"])
 def test_unnormalised_inputs_stop_training_with_finite_state(gradient_penalty):
     # Raw-pixel-scale inputs make the exact log-space loss overflow within a
-    # few steps; training must stop with advice, never leave NaN behind.
-    keras.utils.set_random_seed(0)
-    backbone = keras.Sequential(
-        [keras.Input((4,)), keras.layers.Dense(16, activation="relu")]
-    )
-    model = keras_duq.wrap(
-        backbone, num_classes=2, length_scale=0.1, gradient_penalty=gradient_penalty
-    )
-    model.compile(optimizer=keras.optimizers.SGD(0.01))
+    # few steps when the gradients are not clipped; training must stop with
+    # advice, never leave NaN behind.
+    model = _unnormalised_input_model(gradient_penalty, clipnorm=None)
     x, y = _data(n=256, classes=2)
     with pytest.raises(REJECTED, match="not normalised"):
         model.fit(x * 1000.0, y, epochs=5, batch_size=32, verbose=0)
     for variable in model.weights:
         assert np.all(np.isfinite(variable.numpy())), variable.path
+
+
+@pytest.mark.parametrize("gradient_penalty", [0.0, 1.0], ids=["no_penalty", "penalty"])
+def test_unnormalised_inputs_with_clipping_warn_with_finite_state(gradient_penalty):
+    # The default clipping keeps the same run finite: it does not learn
+    # (every kernel value underflows), and `fit` says why.
+    model = _unnormalised_input_model(gradient_penalty)
+    x, y = _data(n=256, classes=2)
+    with pytest.warns(keras_duq.DUQHealthWarning, match="not standardised"):
+        model.fit(x * 1000.0, y, epochs=5, batch_size=32, verbose=0)
+    for variable in model.weights:
+        assert np.all(np.isfinite(keras.ops.convert_to_numpy(variable))), variable.path
+
+
+def _unnormalised_input_model(gradient_penalty, **kwargs):
+    keras.utils.set_random_seed(0)
+    backbone = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(16, activation="relu")]
+    )
+    model = keras_duq.wrap(
+        backbone,
+        num_classes=2,
+        length_scale=0.1,
+        gradient_penalty=gradient_penalty,
+        **kwargs,
+    )
+    model.compile(optimizer=keras.optimizers.SGD(0.01))
+    return model
 
 
 def test_non_finite_gradient_step_is_not_applied():

@@ -262,3 +262,24 @@ def test_coupled_weight_decay_gradient_is_weight_decay_times_weight():
     gradients = tape.gradient(loss, weights)
     for weight, gradient in zip(weights, gradients):
         np.testing.assert_allclose(gradient, 1e-4 * weight.numpy(), rtol=1e-6)
+
+
+def test_clipped_by_norm_scales_long_gradients_to_the_bound():
+    rng = _rng()
+    long = rng.normal(size=(3, 4)).astype("float32") * 10.0
+    short = np.array([0.1, -0.2], dtype="float32")
+    zero = np.zeros((2,), dtype="float32")
+    tensors = [keras.ops.convert_to_tensor(g) for g in (long, short)]
+    tensors += [None, keras.ops.convert_to_tensor(zero)]
+    got = _ops.clipped_by_norm(tensors, 1.5)
+    assert got[2] is None
+    got = [keras.ops.convert_to_numpy(g) for g in got if g is not None]
+    np.testing.assert_allclose(got[0], long * 1.5 / np.linalg.norm(long), rtol=1e-6)
+    np.testing.assert_allclose(got[1], short, rtol=1e-6)
+    np.testing.assert_array_equal(got[2], zero)
+
+
+def test_clipped_by_norm_keeps_a_non_finite_gradient_non_finite():
+    gradient = keras.ops.convert_to_tensor(np.array([1.0, np.inf], "float32"))
+    (got,) = _ops.clipped_by_norm([gradient], 1.0)
+    assert not np.isfinite(keras.ops.convert_to_numpy(got)).all()
