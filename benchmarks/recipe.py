@@ -60,6 +60,12 @@ Problems:
   of each (10,000 of 100,000) box-resized to 32x32, tested on the 10,000
   validation images against the CIFAR-10 test images; the same backbone,
   optimizer and budget as `cifar10`.
+- `wine` and `digits_held_out`: scikit-learn's bundled tabular sets with
+  classes held out as the OoD set: wine (13 features) trained on two of
+  its three cultivars (91 training rows, 150 epochs: 450 steps), the 8x8
+  digits (64 features) on digits 0-4 (630 training rows, 30 epochs: 600
+  steps); 70 / 30 training / test split of the known classes, standardised
+  features, two `Dense(64, relu)` layers, Adam, batch 32.
 """
 
 from __future__ import annotations
@@ -284,12 +290,68 @@ def tiny_imagenet(seed):
 CIFAR10_PER_CLASS = 500
 TINY_IMAGENET_PER_CLASS = 50
 
+def _held_out_classes(x, y, known, seed, epochs):
+    """`known` classes split 70 / 30 into training and test; the rest is OoD.
+
+    Features standardised with the training split's statistics; an MLP of
+    two `Dense(64, relu)` layers, Adam, batch 32.
+    """
+    rng = np.random.default_rng(seed)
+    mask = np.isin(y, known)
+    x_known = x[mask]
+    y_known = np.searchsorted(np.asarray(known), y[mask]).astype("int32")
+    order = rng.permutation(len(x_known))
+    train, test = np.split(order, [int(0.7 * len(order))])
+    mean = x_known[train].mean(axis=0)
+    std = x_known[train].std(axis=0) + 1e-8
+
+    def scaled(values):
+        return ((values - mean) / std).astype("float32")
+
+    def backbone():
+        return keras.Sequential(
+            [
+                keras.Input((x.shape[1],)),
+                keras.layers.Dense(64, activation="relu"),
+                keras.layers.Dense(64, activation="relu"),
+            ]
+        )
+
+    return {
+        "train": (scaled(x_known[train]), y_known[train]),
+        "test": (scaled(x_known[test]), y_known[test]),
+        "ood": scaled(x[~mask]),
+        "backbone": backbone,
+        "num_classes": len(known),
+        "wrap": {},
+        "optimizer": lambda method: keras.optimizers.Adam(),
+        "batch_size": 32,
+        "epochs": epochs,
+    }
+
+
+def wine(seed):
+    from sklearn.datasets import load_wine
+
+    x, y = load_wine(return_X_y=True)
+    return _held_out_classes(x, y, known=[0, 1], seed=seed, epochs=150)
+
+
+def digits_held_out(seed):
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    return _held_out_classes(x, y, known=[0, 1, 2, 3, 4], seed=seed, epochs=30)
+
+
 PROBLEMS = {
     "small_data": small_data,
     "clinc150": clinc150,
     "two_moons": two_moons,
     "cifar10": cifar10,
     "tiny_imagenet": tiny_imagenet,
+    "wine": wine,
+    "digits_held_out": digits_held_out,
 }
 
 
