@@ -290,6 +290,7 @@ def tiny_imagenet(seed):
 CIFAR10_PER_CLASS = 500
 TINY_IMAGENET_PER_CLASS = 50
 
+
 def _held_out_classes(x, y, known, seed, epochs):
     """`known` classes split 70 / 30 into training and test; the rest is OoD.
 

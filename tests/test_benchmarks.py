@@ -414,3 +414,23 @@ def test_recipe_small_resnet_maps_images_to_pooled_features():
     backbone = recipe.small_resnet((32, 32, 3))
     features = backbone(np.zeros((2, 32, 32, 3), "float32"))
     assert tuple(features.shape) == (2, 64)
+
+
+def test_recipe_held_out_classes_keep_unknown_classes_for_ood_only():
+    from benchmarks import recipe
+
+    rng = np.random.default_rng(0)
+    y = np.repeat(np.arange(4), 25)
+    x = rng.normal(size=(100, 3)) + y[:, None] * 10.0
+    spec = recipe._held_out_classes(x, y, known=[1, 3], seed=0, epochs=1)
+    (x_train, y_train), (x_test, y_test) = spec["train"], spec["test"]
+    assert len(x_train) == 35 and len(x_test) == 15
+    assert set(y_train) | set(y_test) == {0, 1}  # classes 1 and 3, renumbered
+    assert len(spec["ood"]) == 50 and spec["num_classes"] == 2
+    # Standardised with the training split's statistics.
+    np.testing.assert_allclose(x_train.mean(axis=0), 0.0, atol=1e-5)
+    np.testing.assert_allclose(x_train.std(axis=0), 1.0, atol=1e-4)
+    # Every OoD row comes from a held-out class (0 or 2): renumbered known
+    # classes land on 1 and 3's standardised positions, never on these.
+    known_rows = np.concatenate([x_train, x_test])
+    assert np.abs(spec["ood"][:, :1] - known_rows[:, 0][None]).min() > 0.1
