@@ -14,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # about 20 s: a subprocess trains each model
 @pytest.mark.requires_backend("tensorflow")  # its subprocess runs TensorFlow
 def test_quick_run_prints_the_table_and_writes_json(tmp_path):
     output = tmp_path / "speed.json"

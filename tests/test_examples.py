@@ -90,6 +90,7 @@ def test_serving(tmp_path, monkeypatch):
     assert body == {"instances": result["x"].tolist()}
 
 
+@pytest.mark.slow  # 20-25 s: a ResNet on mock CIFAR-10
 @pytest.mark.requires_backend("tensorflow")  # tensorflow-datasets mock data
 def test_cifar10_under_mock_data(tmp_path, monkeypatch):
     # No CIFAR-10 or SVHN here: tfds serves random images with the data sets'

@@ -1,10 +1,12 @@
 """The loaders of the offline image files the benchmarks read (reproduction/shared_data.py)."""
 
 import numpy as np
+import pytest
 
 from reproduction import shared_data
 
 
+@pytest.mark.slow  # about 15 s: decodes all 60,000 JPEG images
 def test_cifar10_reads_all_images_in_cifar10_label_order(cifar10_zip):
     (x_train, y_train), (x_test, y_test) = shared_data.cifar10(str(cifar10_zip))
     assert x_train.shape == (50_000, 32, 32, 3) and x_train.dtype == np.uint8
