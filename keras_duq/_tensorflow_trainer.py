@@ -262,8 +262,10 @@ class TensorFlowTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
         Embedding gradients (`tf.IndexedSlices`) are clipped by the norm of
         their values, as the optimizer's own `clipnorm` clips them.
         """
+        if self._clipnorm_in_effect() is None:
+            return gradients
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
-        if replicas > 1 and self._clipnorm_in_effect() is not None:
+        if replicas > 1:
             indices = [i for i, g in enumerate(gradients) if g is not None]
             summed = tf.distribute.get_replica_context().all_reduce(
                 tf.distribute.ReduceOp.SUM, [gradients[i] for i in indices]
