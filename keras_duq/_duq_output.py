@@ -84,19 +84,15 @@ class DUQOutput(keras.layers.Layer):
     (`features`). With a `projection_learning_rate` other than 1, `kernel`
     holds `W / projection_learning_rate`; the `projection` property is `W`.
 
-    References:
-        - [van Amersfoort et al., 2020](https://arxiv.org/abs/2003.02037),
-          "Uncertainty Estimation Using a Single Deep Deterministic Neural
-          Network", ICML 2020.
-
     Example:
 
     ```python
-    inputs = keras.Input(shape=(2,))
-    x = keras.layers.Dense(20, activation="relu")(inputs)
-    outputs = keras_duq.DUQOutput(num_classes=2, centroid_dims=10)(x)
-    model = keras_duq.DUQModel(inputs, outputs, gradient_penalty=1.0)
-    model.compile(optimizer="sgd")
+    inputs = keras.Input(shape=(28, 28, 1))
+    x = keras.layers.Conv2D(32, 3, activation="relu")(inputs)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    outputs = keras_duq.DUQOutput(num_classes=10, centroid_dims=32)(x)
+    model = keras_duq.DUQModel(inputs, outputs)
+    model.compile(optimizer="adam")
     ```
 
     Args:
@@ -165,6 +161,11 @@ class DUQOutput(keras.layers.Layer):
 
     Output shape:
         `(batch_size, num_classes)` float32 kernel values in `[0, 1]`.
+
+    References:
+        - [van Amersfoort et al., 2020](https://arxiv.org/abs/2003.02037),
+          "Uncertainty Estimation Using a Single Deep Deterministic Neural
+          Network", ICML 2020.
     """
 
     def __init__(

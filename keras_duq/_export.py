@@ -12,6 +12,7 @@ formats by backend.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import io
 import os
@@ -153,51 +154,67 @@ def check_export_options(options: dict[str, Any]) -> None:
         )
 
 
-def check_serving_options(
-    certainty_threshold: Any, calibrator: Any, top_k: Any, num_classes: int
-) -> None:
-    """Raises a `ValueError` for a serving option of `export` out of its range.
+@dataclasses.dataclass(frozen=True)
+class ServingOptions:
+    """The options of `DUQModel.export` that add or change serving outputs.
 
-    Called before anything is traced or written, for every format.
+    Args:
+        certainty_threshold: optional float in `[0, 1]`; adds `accept`
+            (`certainty >= certainty_threshold`).
+        calibrator: optional fitted `CertaintyCalibrator`; adds
+            `probability_correct`.
+        top_k: optional int; serves the `top_k` largest kernel values and
+            their classes instead of every kernel value.
     """
-    if certainty_threshold is not None and (
-        isinstance(certainty_threshold, bool)
-        or not isinstance(certainty_threshold, (int, float))
-        or not 0.0 <= certainty_threshold <= 1.0
-    ):
-        raise ValueError(
-            "Expected `certainty_threshold` to be a float in [0, 1] (a kernel "
-            "value: `accept` is `certainty >= certainty_threshold`), or `None` "
-            "for no `accept` output. Received: "
-            f"`certainty_threshold={certainty_threshold!r}`"
+
+    certainty_threshold: float | None = None
+    calibrator: CertaintyCalibrator | None = None
+    top_k: int | None = None
+
+    def check(self, num_classes: int) -> None:
+        """Raises a `ValueError` for an option out of its range.
+
+        Called before anything is traced or written, for every format.
+        """
+        certainty_threshold, calibrator, top_k = (
+            self.certainty_threshold,
+            self.calibrator,
+            self.top_k,
         )
-    if calibrator is not None and (
-        not callable(calibrator) or getattr(calibrator, "fitted", True) is False
-    ):
-        raise ValueError(
-            "Expected `calibrator` to be a fitted "
-            "`keras_duq.evaluation.CertaintyCalibrator` (call its `fit` on "
-            "validation certainty and correctness first), or `None`. "
-            f"Received: `calibrator={calibrator!r}`"
-        )
-    if top_k is not None and (
-        isinstance(top_k, bool)
-        or not isinstance(top_k, int)
-        or not 1 <= top_k <= num_classes
-    ):
-        raise ValueError(
-            f"Expected `top_k` to be an int in [1, {num_classes}] (the number "
-            "of classes served per example), or `None` to serve every kernel "
-            f"value. Received: `top_k={top_k!r}`"
-        )
+        if certainty_threshold is not None and (
+            isinstance(certainty_threshold, bool)
+            or not isinstance(certainty_threshold, (int, float))
+            or not 0.0 <= certainty_threshold <= 1.0
+        ):
+            raise ValueError(
+                "Expected `certainty_threshold` to be a float in [0, 1] (a "
+                "kernel value: `accept` is `certainty >= certainty_threshold`), "
+                "or `None` for no `accept` output. Received: "
+                f"`certainty_threshold={certainty_threshold!r}`"
+            )
+        if calibrator is not None and (
+            not callable(calibrator) or getattr(calibrator, "fitted", True) is False
+        ):
+            raise ValueError(
+                "Expected `calibrator` to be a fitted "
+                "`keras_duq.evaluation.CertaintyCalibrator` (call its `fit` on "
+                "validation certainty and correctness first), or `None`. "
+                f"Received: `calibrator={calibrator!r}`"
+            )
+        if top_k is not None and (
+            isinstance(top_k, bool)
+            or not isinstance(top_k, int)
+            or not 1 <= top_k <= num_classes
+        ):
+            raise ValueError(
+                f"Expected `top_k` to be an int in [1, {num_classes}] (the "
+                "number of classes served per example), or `None` to serve "
+                f"every kernel value. Received: `top_k={top_k!r}`"
+            )
 
 
 def serving_outputs(
-    model: DUQModel,
-    inputs: Any,
-    certainty_threshold: float | None = None,
-    calibrator: CertaintyCalibrator | None = None,
-    top_k: int | None = None,
+    model: DUQModel, inputs: Any, options: ServingOptions
 ) -> dict[str, Tensor]:
     """The serving signature's outputs, with `keras.ops` (any backend).
 
@@ -215,17 +232,19 @@ def serving_outputs(
         "predictions": _first_argmax(log_kernel),
         "certainty": certainty,
     }
-    if top_k is not None:
+    if options.top_k is not None:
         del outputs["kernel_values"]
-        top_log_kernel, outputs["top_k_classes"] = _top_k(log_kernel, top_k)
+        top_log_kernel, outputs["top_k_classes"] = _top_k(log_kernel, options.top_k)
         outputs["top_k_kernel_values"] = ops.exp(top_log_kernel)
-    if certainty_threshold is not None:
+    if options.certainty_threshold is not None:
         # The threshold is compared in float32, the certainty's dtype.
         outputs["accept"] = ops.greater_equal(
-            certainty, ops.cast(certainty_threshold, certainty.dtype)
+            certainty, ops.cast(options.certainty_threshold, certainty.dtype)
         )
-    if calibrator is not None:
-        outputs["probability_correct"] = ops.cast(calibrator(certainty), "float32")
+    if options.calibrator is not None:
+        outputs["probability_correct"] = ops.cast(
+            options.calibrator(certainty), "float32"
+        )
     return _refuse_rows(outputs, finite_rows(inputs))
 
 
@@ -282,36 +301,19 @@ class DUQServingModel(keras.Model):
 
     Args:
         duq_model: the (built) `DUQModel` to serve.
-        certainty_threshold: optional float in `[0, 1]`; adds `accept`.
-        calibrator: optional fitted `CertaintyCalibrator`; adds
-            `probability_correct`.
-        top_k: optional int; serves the `top_k` largest kernel values and
-            their classes instead of every kernel value.
+        options: the `ServingOptions` (outputs beyond the three served always).
     """
 
     def __init__(
-        self,
-        duq_model: DUQModel,
-        certainty_threshold: float | None = None,
-        calibrator: CertaintyCalibrator | None = None,
-        top_k: int | None = None,
-        **kwargs: Any,
+        self, duq_model: DUQModel, options: ServingOptions, **kwargs: Any
     ) -> None:
         super().__init__(**kwargs)
         self.duq_model = duq_model
-        self.certainty_threshold = certainty_threshold
-        self.calibrator = calibrator
-        self.top_k = top_k
+        self.options = options
         self.built = duq_model.built
 
     def call(self, inputs: Any) -> dict[str, Tensor]:
-        outputs = serving_outputs(
-            self.duq_model,
-            inputs,
-            self.certainty_threshold,
-            self.calibrator,
-            self.top_k,
-        )
+        outputs = serving_outputs(self.duq_model, inputs, self.options)
         # In the order of their names: the order of the outputs in formats
         # that flatten the dict (ONNX from PyTorch and JAX).
         outputs = {name: outputs[name] for name in sorted(outputs)}
@@ -363,11 +365,9 @@ def export_serving_model(
     model: DUQModel,
     filepath: str | os.PathLike,
     format: str,
+    options: ServingOptions,
     verbose: bool = False,
     input_signature: list[Any] | None = None,
-    certainty_threshold: float | None = None,
-    calibrator: CertaintyCalibrator | None = None,
-    top_k: int | None = None,
     **kwargs: Any,
 ) -> None:
     """Writes `DUQServingModel(model, ...)` with `keras.Model.export(format=...)`."""
@@ -388,10 +388,8 @@ def export_serving_model(
                 model,
                 onnx_path,
                 "onnx",
+                options,
                 input_signature=input_signature,
-                certainty_threshold=certainty_threshold,
-                calibrator=calibrator,
-                top_k=top_k,
                 **kwargs,
             )
             ov_model = openvino.convert_model(onnx_path)
@@ -417,7 +415,7 @@ def export_serving_model(
         if verbose:
             print(f"Saved OpenVINO IR at '{filepath}'.")
         return
-    serving_model = DUQServingModel(model, certainty_threshold, calibrator, top_k)
+    serving_model = DUQServingModel(model, options)
     if format == "torch" and "dynamic_shapes" not in kwargs:
         kwargs["dynamic_shapes"] = _torch_batch_dims(input_signature)
     serving_model.export(
@@ -504,16 +502,14 @@ def _torch_batch_dims(input_signature: list[Any]) -> Any:
 def export_saved_model(
     model: DUQModel,
     filepath: str | os.PathLike,
+    options: ServingOptions,
     verbose: bool = False,
     input_signature: list[Any] | None = None,
-    certainty_threshold: float | None = None,
-    calibrator: CertaintyCalibrator | None = None,
-    top_k: int | None = None,
-    **options: Any,
+    **kwargs: Any,
 ) -> None:
     """Writes `model` as a SavedModel whose `serving_default` gives DUQ outputs.
 
-    `options` are Keras's backend options (`is_static`, `jax2tf_kwargs` on
+    `kwargs` are Keras's backend options (`is_static`, `jax2tf_kwargs` on
     JAX); `check_export_options` must have accepted them.
     """
     import tensorflow as tf
@@ -533,15 +529,13 @@ def export_saved_model(
         )
 
     def outputs_fn(inputs: Any) -> dict[str, Tensor]:
-        return serving_outputs(model, inputs, certainty_threshold, calibrator, top_k)
+        return serving_outputs(model, inputs, options)
 
     # This archive only converts `outputs_fn` to a `tf.function`; the
     # SavedModel is written by the second one, with the dtypes fixed.
     converter = keras.export.ExportArchive()
     converter.track(model)
-    converted = converter.add_endpoint(
-        "outputs", outputs_fn, input_signature, **options
-    )
+    converted = converter.add_endpoint("outputs", outputs_fn, input_signature, **kwargs)
 
     dtypes = {"predictions": tf.int64, "top_k_classes": tf.int64, "accept": tf.bool}
 
@@ -646,24 +640,16 @@ def export(
     **kwargs,
 ):
     """`DUQModel.export`: every option checked before anything is written, then the export."""
-    check_serving_options(
-        certainty_threshold, calibrator, top_k, model.duq_output.num_classes
-    )
+    options = ServingOptions(certainty_threshold, calibrator, top_k)
+    options.check(model.duq_output.num_classes)
     check_serving_format(format)
     check_format_precision(model, format)
     if format == "tf_saved_model":
         check_export_options(kwargs)
     check_format_packages(format)
-    options = {
-        "certainty_threshold": certainty_threshold,
-        "calibrator": calibrator,
-        "top_k": top_k,
-    }
     if format == "tf_saved_model":
-        export_saved_model(
-            model, filepath, verbose, input_signature, **options, **kwargs
-        )
+        export_saved_model(model, filepath, options, verbose, input_signature, **kwargs)
     else:
         export_serving_model(
-            model, filepath, format, verbose, input_signature, **options, **kwargs
+            model, filepath, format, options, verbose, input_signature, **kwargs
         )

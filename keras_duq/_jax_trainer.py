@@ -93,6 +93,7 @@ class JAXTrainer(_trainer.Trainer):
     """DUQModel's steps on Keras's JAX backend."""
 
     error_tracker_class = ErrorCode
+    input_gradients = _INPUT_GRADIENTS
 
     def train_step(self, state, data):
         trainable, non_trainable, optimizer_variables, metrics_variables = state
@@ -106,7 +107,7 @@ class JAXTrainer(_trainer.Trainer):
                 total, (log_kernel, penalty, bce, new_non_trainable) = (
                     _trainer.objective(
                         self._forward(trainable, non_trainable, training=True),
-                        _INPUT_GRADIENTS,
+                        self.input_gradients,
                         x,
                         labels_one_hot,
                         sample_weight,
@@ -173,11 +174,8 @@ class JAXTrainer(_trainer.Trainer):
         commit = ok & applied
         new_metrics_variables, logs = self._updated_metrics(
             metrics_variables,
-            x,
-            y,
-            sample_weight,
+            _trainer.Batch(x, y, labels_one_hot, sample_weight),
             _trainer.StepValues(total, log_kernel, penalty, bce),
-            labels_one_hot,
             code,
             penalised,
         )
@@ -196,7 +194,7 @@ class JAXTrainer(_trainer.Trainer):
         x, labels_one_hot, sample_weight, code = self._check_batch(x, y, sample_weight)
         total, (log_kernel, penalty, bce, _) = _trainer.objective(
             self._forward(trainable, non_trainable, training=False),
-            _INPUT_GRADIENTS,
+            self.input_gradients,
             x,
             labels_one_hot,
             sample_weight,
@@ -205,11 +203,8 @@ class JAXTrainer(_trainer.Trainer):
         )
         new_metrics_variables, logs = self._updated_metrics(
             metrics_variables,
-            x,
-            y,
-            sample_weight,
+            _trainer.Batch(x, y, labels_one_hot, sample_weight),
             _trainer.StepValues(total, log_kernel, penalty, bce),
-            labels_one_hot,
             code,
         )
         ok = (code == 0) & (self._previous_error(metrics_variables) == 0)
@@ -329,22 +324,10 @@ class JAXTrainer(_trainer.Trainer):
         updated[_index(self.non_trainable_variables, layer.centroid_sums)] = new_sums
         return updated, finite
 
-    def _updated_metrics(
-        self,
-        metrics_variables,
-        x,
-        y,
-        sample_weight,
-        values,
-        labels_one_hot,
-        code,
-        penalised=None,
-    ):
+    def _updated_metrics(self, metrics_variables, batch, values, code, penalised=None):
         mapping = list(zip(self.metrics_variables, metrics_variables))
         with keras.StatelessScope(state_mapping=mapping) as scope:
-            self._update_duq_metrics(
-                x, y, sample_weight, values, labels_one_hot, penalised
-            )
+            self._update_duq_metrics(batch, values, penalised)
             self._error_tracker.update_state(code)
             logs = self.get_metrics_result()
             logs[ERROR_LOG] = self._error_tracker.result()

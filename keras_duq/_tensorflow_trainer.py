@@ -79,6 +79,8 @@ _INPUT_GRADIENTS = _trainer.InputGradients(_tensor_gradients, _probe_gradients)
 class TensorFlowTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
     """DUQModel's steps on Keras's TensorFlow backend."""
 
+    input_gradients = _INPUT_GRADIENTS
+
     def train_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         x, labels_one_hot, sample_weight, checks = self._validated_batch(
@@ -89,15 +91,11 @@ class TensorFlowTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
 
         def gradients_and_losses(x, labels_one_hot, sample_weight, with_penalty=True):
             with tf.GradientTape() as tape:
-                total, (log_kernel, penalty, bce, _) = _trainer.objective(
-                    self._forward(training=True),
-                    _INPUT_GRADIENTS,
-                    x,
-                    labels_one_hot,
-                    sample_weight,
-                    weights,
-                    self._objective_settings(training=True, with_penalty=with_penalty),
-                    self._input_gradient_scale(),
+                total, (log_kernel, penalty, bce, _) = self._own_objective(
+                    _trainer.Batch(x, y, labels_one_hot, sample_weight),
+                    training=True,
+                    weights=weights,
+                    with_penalty=with_penalty,
                 )
                 # Replicas' gradients are summed: divide by their number.
                 scaled = total / tf.distribute.get_strategy().num_replicas_in_sync
@@ -160,11 +158,8 @@ class TensorFlowTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
         _run_if(
             applied,
             lambda: self._update_duq_metrics(
-                x,
-                y,
-                sample_weight,
+                _trainer.Batch(x, y, labels_one_hot, sample_weight),
                 _trainer.StepValues(objective, log_kernel, penalty, bce),
-                labels_one_hot,
                 penalised,
             ),
         )
@@ -175,14 +170,8 @@ class TensorFlowTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
         x, labels_one_hot, sample_weight, _ = self._validated_batch(x, y, sample_weight)
 
         def losses(x, labels_one_hot, sample_weight):
-            total, (log_kernel, penalty, bce, _) = _trainer.objective(
-                self._forward(training=False),
-                _INPUT_GRADIENTS,
-                x,
-                labels_one_hot,
-                sample_weight,
-                self.trainable_weights,
-                self._objective_settings(training=False),
+            total, (log_kernel, penalty, bce, _) = self._own_objective(
+                _trainer.Batch(x, y, labels_one_hot, sample_weight), training=False
             )
             return log_kernel, penalty, total, bce
 
@@ -190,11 +179,8 @@ class TensorFlowTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
             x, labels_one_hot, sample_weight
         )
         self._update_duq_metrics(
-            x,
-            y,
-            sample_weight,
+            _trainer.Batch(x, y, labels_one_hot, sample_weight),
             _trainer.StepValues(objective, log_kernel, penalty, bce),
-            labels_one_hot,
         )
         return self._logs()
 
@@ -227,9 +213,6 @@ class TensorFlowTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
     def _labels_to_one_hot(self, y):
         return labels_to_one_hot(y, self.num_classes)
 
-    def _forward(self, training):
-        return lambda x, probe=None: (self._log_kernel(x, training, probe), None)
-
     def _log_kernel_and_penalty(self, x, training, with_penalty=True):
         """Forward pass; with the penalty on, also the per-example penalty.
 
@@ -238,8 +221,8 @@ class TensorFlowTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
         if self.gradient_penalty == 0 or not with_penalty:
             return self._log_kernel(x, training), None
         log_kernel, penalty, _ = _trainer.log_kernel_and_penalty(
-            self._forward(training),
-            _INPUT_GRADIENTS,
+            self._own_forward(training),
+            self.input_gradients,
             x,
             self.penalty,
             self._input_gradient_scale(),

@@ -62,9 +62,12 @@ _INPUT_GRADIENTS = _trainer.InputGradients(_tensor_gradients, _probe_gradients)
 class TorchTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
     """DUQModel's steps on Keras's PyTorch backend."""
 
+    input_gradients = _INPUT_GRADIENTS
+
     def train_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         x, labels_one_hot, sample_weight, _ = self._checked_batch(x, y, sample_weight)
+        batch = _trainer.Batch(x, y, labels_one_hot, sample_weight)
         weights = self.trainable_weights
         values = [weight.value for weight in weights]
         penalised = True
@@ -74,15 +77,8 @@ class TorchTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
         saved = _copies(layer_state)
         scale = self._input_gradient_scale()
         with torch.enable_grad():
-            total, (log_kernel, penalty, bce, _) = _trainer.objective(
-                self._forward(training=True),
-                _INPUT_GRADIENTS,
-                x,
-                labels_one_hot,
-                sample_weight,
-                values,
-                self._objective_settings(training=True, with_penalty=penalised),
-                scale,
+            total, (log_kernel, penalty, bce, _) = self._own_objective(
+                batch, training=True, weights=values, with_penalty=penalised
             )
             gradients = torch.autograd.grad(
                 self.optimizer.scale_loss(total), values, allow_unused=True
@@ -112,33 +108,20 @@ class TorchTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
             self.duq_output.centroid_counts.assign(counts)
             self.duq_output.centroid_sums.assign(sums)
             self._update_duq_metrics(
-                x,
-                y,
-                sample_weight,
-                _detached(_trainer.StepValues(total, log_kernel, penalty, bce)),
-                labels_one_hot,
+                batch, _detached(_trainer.StepValues(total, log_kernel, penalty, bce))
             )
         return self.get_metrics_result()
 
     def test_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         x, labels_one_hot, sample_weight, _ = self._checked_batch(x, y, sample_weight)
-        total, (log_kernel, penalty, bce, _) = _trainer.objective(
-            self._forward(training=False),
-            _INPUT_GRADIENTS,
-            x,
-            labels_one_hot,
-            sample_weight,
-            self.trainable_weights,
-            self._objective_settings(training=False),
+        batch = _trainer.Batch(x, y, labels_one_hot, sample_weight)
+        total, (log_kernel, penalty, bce, _) = self._own_objective(
+            batch, training=False
         )
         with torch.no_grad():
             self._update_duq_metrics(
-                x,
-                y,
-                sample_weight,
-                _detached(_trainer.StepValues(total, log_kernel, penalty, bce)),
-                labels_one_hot,
+                batch, _detached(_trainer.StepValues(total, log_kernel, penalty, bce))
             )
         return self.get_metrics_result()
 
@@ -153,9 +136,6 @@ class TorchTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
         checked = self._check_batch(x, y, sample_weight)
         self._raise(int(checked[-1]))
         return checked
-
-    def _forward(self, training):
-        return lambda x, probe=None: (self._log_kernel(x, training, probe), None)
 
     def _input_gradient_scale(self):
         if not self._uses_loss_scale():

@@ -348,6 +348,15 @@ def nan_for_non_finite_inputs(inputs, values):
     return nan_where_not_finite(finite_rows(inputs), values)
 
 
+class Batch(NamedTuple):
+    """One checked batch of a step: inputs, labels as given and one-hot, weights."""
+
+    x: Any
+    y: Any
+    labels_one_hot: Any
+    sample_weight: Any
+
+
 class StepValues(NamedTuple):
     """What one step reports to the metrics: the objective and its parts."""
 
@@ -405,6 +414,9 @@ class UncompiledSteps:
 
 class Trainer:
     """The backend-neutral methods of `DUQModel`'s steps (a `keras.Model` mixin)."""
+
+    # How the backend takes input gradients: each backend's trainer sets it.
+    input_gradients: InputGradients
 
     @property
     def _lazy_penalty(self):
@@ -497,6 +509,33 @@ class Trainer:
                 features = self._probed_feature_extractor(x, training=training)
         return self.duq_output.log_kernel_values(features)
 
+    def _own_forward(self, training):
+        """`forward` for `objective` over the model's own variables.
+
+        TensorFlow's and PyTorch's steps run it; JAX's steps are stateless
+        and pass a forward pass over the state they are given.
+        """
+        return lambda x, probe=None: (self._log_kernel(x, training, probe), None)
+
+    def _own_objective(self, batch, training, weights=None, with_penalty=True):
+        """`objective` of `batch` (a `Batch`) over the model's own variables.
+
+        `weights`: the trainable weights as the backend differentiates them
+        (default `trainable_weights`). A training step passes the loss scale
+        for the penalty's input gradient (`_input_gradient_scale`, which
+        each backend's trainer defines, as `input_gradients`).
+        """
+        return objective(
+            self._own_forward(training),
+            self.input_gradients,
+            batch.x,
+            batch.labels_one_hot,
+            batch.sample_weight,
+            self.trainable_weights if weights is None else weights,
+            self._objective_settings(training, with_penalty),
+            self._input_gradient_scale() if training else None,
+        )
+
     def _layer_state(self):
         """Variables that layers assign in the forward pass.
 
@@ -540,11 +579,10 @@ class Trainer:
 
     error_tracker_class = None
 
-    def _update_duq_metrics(
-        self, x, y, sample_weight, values, labels_one_hot, penalised=None
-    ):
-        """Updates the trackers from a step's `StepValues`; `penalised` (bool
-        tensor): whether the step computed `values.penalty`."""
+    def _update_duq_metrics(self, batch, values, penalised=None):
+        """Updates the trackers from a step's `Batch` and `StepValues`;
+        `penalised` (bool tensor): whether the step computed `values.penalty`."""
+        x, y, labels_one_hot, sample_weight = batch
         objective, log_kernel, penalty, bce = values
         batch_size = ops.cast(ops.shape(log_kernel)[0], "float32")
         self._objective_tracker.update_state(objective, sample_weight=batch_size)
