@@ -137,20 +137,38 @@ def measure(windows):
     sizes, differences, errors = {}, {}, {}
     folder = tempfile.mkdtemp()
     for format in SERVING_FORMATS[backend]:
-        path = os.path.join(folder, "duq" + _SUFFIX[format])
+        # A LiteRT file from PyTorch has a fixed batch size: one per size.
+        fixed = format == "litert" and backend == "torch"
+        paths = {
+            size: os.path.join(folder, f"duq_{size}" + _SUFFIX[format])
+            for size in (BATCH_SIZES if fixed else (None,))
+        }
         try:
-            model.export(
-                path,
-                format=format,
-                certainty_threshold=threshold,
-                calibrator=calibrator,
-            )
+            for size, path in paths.items():
+                signature = None
+                if size is not None:
+                    shape = (size,) + x_test.shape[1:]
+                    signature = [keras.InputSpec(shape=shape, name="inputs")]
+                model.export(
+                    path,
+                    format=format,
+                    input_signature=signature,
+                    certainty_threshold=threshold,
+                    calibrator=calibrator,
+                )
         except Exception as error:  # reported, not timed
             errors[format] = f"export: {type(error).__name__}: {str(error)[-300:]}"
             continue
         sizes[format] = _size_mb(path)
         try:
-            serve = _runtime(format, path)
+            runtimes = {size: _runtime(format, path) for size, path in paths.items()}
+            if fixed:
+
+                def serve(x, runtimes=runtimes):
+                    return runtimes[len(x)](x)
+
+            else:
+                serve = runtimes[None]
             served = serve(inputs[256])["certainty"]
         except Exception as error:  # reported, not timed
             errors[format] = f"runtime: {type(error).__name__}: {str(error)[:300]}"

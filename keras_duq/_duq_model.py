@@ -514,8 +514,10 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
         Formats, by backend: `"tf_saved_model"` from TensorFlow and JAX
         (JAX through `jax2tf`); `"onnx"` and `"openvino"` from all three
         (from JAX and PyTorch, OpenVINO's file is converted from the ONNX
-        export); `"litert"` from TensorFlow; `"torch"` (`torch.export`)
-        from PyTorch. Another format
+        export); `"litert"` from TensorFlow and PyTorch (from PyTorch through
+        `litert-torch`, installed apart from the `export` extra, with the
+        input signature's batch size fixed: 1 unless `input_signature`
+        gives one); `"torch"` (`torch.export`) from PyTorch. Another format
         raises a `ValueError` that says what works. The outputs are named
         as above in every format (ONNX and `torch` list them in the order
         of their names). The SavedModel's `serving_default` signature

@@ -40,12 +40,12 @@ SINGLE_INPUT_NAME = "inputs"
 # backend. Keras's OpenVINO export fails on JAX (on any model, JAX 0.10)
 # and on PyTorch (its tracer refuses a dict of outputs), so there the
 # OpenVINO file is converted from the ONNX export (`_OPENVINO_FROM_ONNX`).
-# Left out: LiteRT on JAX and PyTorch (Keras writes it from TensorFlow;
-# PyTorch would need litert-torch).
+# LiteRT from PyTorch goes through `litert-torch` (`_export_litert_from_torch`);
+# Keras writes no LiteRT file from JAX.
 SERVING_FORMATS = {
     "tensorflow": ("tf_saved_model", "onnx", "litert", "openvino"),
     "jax": ("tf_saved_model", "onnx", "openvino"),
-    "torch": ("onnx", "openvino", "torch"),
+    "torch": ("onnx", "openvino", "torch", "litert"),
 }
 _OPENVINO_FROM_ONNX = ("jax", "torch")
 
@@ -79,7 +79,18 @@ _FORMAT_MODULES = {
         "jax": ("openvino", "onnx", "jax2onnx"),
         None: ("openvino",),
     },
-    "litert": {None: ("tensorflow",)},
+    "litert": {"torch": ("litert_torch", "ai_edge_litert"), None: ("tensorflow",)},
+}
+
+# Where a module is not in the `export` extra: how to install it.
+_INSTALL_HINTS = {
+    # litert-torch pins typing-extensions below 4.13 (through xdsl), which
+    # TensorFlow's and Keras's own dependencies outgrew: it gets an
+    # environment of its own, beside PyTorch and keras-duq.
+    "litert_torch": (
+        "`pip install litert-torch` in an environment of its own with PyTorch "
+        "and keras-duq (its pins conflict with the `export` extra's)"
+    ),
 }
 
 
@@ -124,11 +135,17 @@ def check_format_packages(format: str) -> None:
 
     missing = [name for name in modules if not installed(name)]
     if missing:
+        hints = [_INSTALL_HINTS[name] for name in missing if name in _INSTALL_HINTS]
+        how = (
+            "; ".join(hints)
+            if hints
+            else 'with `pip install "keras-duq[export]"` (or `pip install '
+            f"{' '.join(missing)}`)"
+        )
         raise ImportError(
             f"`export(format={format!r})` on the {backend} backend needs the "
             f"package(s) {', '.join(missing)}, which are not installed. Install "
-            'them with `pip install "keras-duq[export]"` (or `pip install '
-            f"{' '.join(missing)}`). Received: `format={format!r}`"
+            f"them {how}. Received: `format={format!r}`"
         )
 
 
@@ -416,6 +433,11 @@ def export_serving_model(
             print(f"Saved OpenVINO IR at '{filepath}'.")
         return
     serving_model = DUQServingModel(model, options)
+    if format == "litert" and keras.backend.backend() == "torch":
+        _export_litert_from_torch(
+            serving_model, str(filepath), input_signature, verbose, **kwargs
+        )
+        return
     if format == "torch" and "dynamic_shapes" not in kwargs:
         kwargs["dynamic_shapes"] = _torch_batch_dims(input_signature)
     serving_model.export(
@@ -434,6 +456,65 @@ def export_serving_model(
         _name_onnx_outputs(str(filepath), sorted(serving_model(*sample)))
         if keras.backend.backend() == "jax":
             _check_onnx_runs(str(filepath), sample)
+
+
+def _export_litert_from_torch(
+    serving_model: DUQServingModel,
+    filepath: str,
+    input_signature: list[Any],
+    verbose: bool,
+    **kwargs: Any,
+) -> None:
+    """Writes `serving_model` as a LiteRT file from PyTorch, with `litert-torch`.
+
+    Keras's own LiteRT export on PyTorch passes the sample inputs by
+    position, so the signature's input is named `args_0`; passed by keyword,
+    it is `inputs`, as in every other format. The file has a fixed batch
+    size, the input signature's (1 where it is `None`): `litert-torch`
+    lowers no dynamic batch through a `Dense` layer. `kwargs` go to
+    `litert_torch.convert`; `enable_x64` defaults to `True` (int64
+    `predictions`, as in the other formats).
+    """
+    import torch
+
+    if len(input_signature) != 1 or not hasattr(input_signature[0], "shape"):
+        raise ValueError(
+            "`export(format='litert')` on the PyTorch backend takes a single "
+            "input (one `keras.InputSpec`). Received: "
+            f"`input_signature={input_signature!r}`"
+        )
+    (spec,) = input_signature
+    shape = tuple(1 if size is None else size for size in spec.shape)
+    sample = torch.zeros(shape, dtype=getattr(torch, str(spec.dtype or "float32")))
+    kwargs.setdefault("enable_x64", True)
+    serving_model.eval()
+    out, err = io.StringIO(), io.StringIO()
+    with (
+        _jax_x64_kept(),
+        contextlib.redirect_stdout(out),
+        contextlib.redirect_stderr(err),
+    ):
+        import litert_torch
+
+        edge_model = litert_torch.convert(
+            serving_model, sample_kwargs={SINGLE_INPUT_NAME: sample}, **kwargs
+        )
+        edge_model.export(filepath)
+    if verbose:
+        print(err.getvalue() + out.getvalue(), end="")
+        print(f"Saved LiteRT model at '{filepath}' (batch size {shape[0]}).")
+
+
+@contextlib.contextmanager
+def _jax_x64_kept() -> Any:
+    """Puts JAX's `jax_enable_x64` back as it was: litert-torch turns it on."""
+    import jax  # litert-torch depends on it
+
+    before = jax.config.jax_enable_x64
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_x64", before)
 
 
 def _check_onnx_runs(path: str, sample: Any) -> None:
