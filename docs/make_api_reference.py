@@ -9,6 +9,10 @@ classes and functions that come from keras_duq and do not start with `_`.
 A class lists its constructor and the public methods and properties it
 defines itself; Keras's methods, and overrides of them without a docstring
 of their own (`fit`, `call`, `get_config`, ...), are documented by Keras.
+
+Warnings are errors: a public name without a docstring, or an argument its
+`Args:` section (a dataclass: `Attributes:`) does not list, fails the build
+(exit 1, with each problem named) before anything is written.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
+import re
 import sys
 
 NAMESPACES = ("evaluation", "callbacks", "tuning", "plots", "datasets", "batch_norm")
@@ -56,8 +61,63 @@ def _members(cls):
             continue  # an override of Keras's method, documented by Keras
         if isinstance(value, property):
             yield name, "property", value.fget
+        elif isinstance(value, (classmethod, staticmethod)):
+            yield name, "method", value.__func__
         elif inspect.isfunction(value) and name != "__init__":
             yield name, "method", value
+
+
+def _documented_names(doc: str) -> set[str] | None:
+    """The names an `Args:` (or, for a dataclass, `Attributes:`) section lists."""
+    section = re.search(r"^(?:Args|Attributes):\n((?:[ \t]+.*\n?|\n)*)", doc, re.M)
+    if section is None:
+        return None
+    names = set()
+    for line in section.group(1).splitlines():
+        entry = re.match(r"^    ([\w, *]+?):", line)
+        if entry:
+            names.update(name.strip().lstrip("*") for name in entry.group(1).split(","))
+    return names
+
+
+def _parameters(function) -> list[str]:
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    return [
+        p.name
+        for p in parameters
+        if p.name not in ("self", "cls") and p.kind not in variadic
+    ]
+
+
+def _problems(qualified, function, doc_owner=None) -> list[str]:
+    """What the reference would be missing for `function`: a docstring, an argument."""
+    doc = (doc_owner or function).__doc__
+    if not doc:
+        return [f"`{qualified}` has no docstring"]
+    parameters = _parameters(function)
+    if not parameters:
+        return []
+    documented = _documented_names(inspect.cleandoc(doc))
+    if documented is None:
+        return [f"`{qualified}` takes {parameters} but its docstring has no `Args:`"]
+    missing = [name for name in parameters if name not in documented]
+    if missing:
+        return [f"`{qualified}`'s `Args:` does not document {missing}"]
+    return []
+
+
+def _entry_problems(qualified, value) -> list[str]:
+    if inspect.isclass(value):
+        init = value.__init__ if "__init__" in vars(value) else value
+        found = _problems(qualified, init, doc_owner=value)
+        for name, _, member in _members(value):
+            found += _problems(f"{qualified}.{name}", member)
+        return found
+    return _problems(qualified, value) if callable(value) else []
 
 
 def _entry(qualified, value) -> list[str]:
@@ -84,6 +144,31 @@ def _entry(qualified, value) -> list[str]:
     return [f"### `{qualified}`", "", f"```python\n{qualified} = {value!r}\n```", ""]
 
 
+def _public() -> list[tuple[str, object]]:
+    """`(qualified name, value)` of everything the reference documents, in order."""
+    import keras_duq
+
+    found = [
+        (f"keras_duq.{name}", getattr(keras_duq, name)) for name in keras_duq.__all__
+    ]
+    for namespace in NAMESPACES:
+        module = importlib.import_module(f"keras_duq.{namespace}")
+        found += [
+            (f"keras_duq.{namespace}.{name}", getattr(module, name))
+            for name in _public_names(module)
+        ]
+    return found
+
+
+def problems() -> list[str]:
+    """Docstrings the reference would render incomplete (the build's warnings)."""
+    return [
+        problem
+        for qualified, value in _public()
+        for problem in _entry_problems(qualified, value)
+    ]
+
+
 def render() -> str:
     import keras_duq
 
@@ -108,6 +193,12 @@ def render() -> str:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # Warnings are errors: an undocumented name or argument fails the build.
+    found = problems()
+    for problem in found:
+        print(f"docs/make_api_reference.py: {problem}")
+    if found:
+        return 1
     text = render()
     if "--check" in argv:
         with open(OUTPUT) as f:

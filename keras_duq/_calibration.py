@@ -143,11 +143,19 @@ class CertaintyCalibrator:
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> CertaintyCalibrator:
-        """Rebuilds a calibrator from `get_config()`."""
+        """Rebuilds a calibrator from `get_config()`.
+
+        Args:
+            config: dict, what `get_config()` returned.
+        """
         return cls(**config)
 
     def save(self, path: str | os.PathLike) -> None:
-        """Writes the fitted map to a JSON file at `path`."""
+        """Writes the fitted map to a JSON file (`CertaintyCalibrator.load` reads it).
+
+        Args:
+            path: str or path-like, the file to write.
+        """
         if not self.fitted:
             raise ValueError(
                 "Only a fitted CertaintyCalibrator can be saved. Call "
@@ -160,7 +168,11 @@ class CertaintyCalibrator:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> CertaintyCalibrator:
-        """Reads a calibrator written by `save(path)`."""
+        """Reads a calibrator written by `save(path)`.
+
+        Args:
+            path: str or path-like, the JSON file `save` wrote.
+        """
         with open(path) as file:
             saved = json.load(file)
         if not isinstance(saved, dict) or saved.get("class_name") != cls.__name__:

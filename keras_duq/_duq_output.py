@@ -321,6 +321,9 @@ class DUQOutput(keras.layers.Layer):
         """Projects features with every `W_c`: `(batch, centroid_dims, classes)`.
 
         The shared head has one projection: `(batch, centroid_dims)`.
+
+        Args:
+            features: tensor `(batch, features)`, the backbone's output.
         """
         features = ops.cast(features, "float32")
         projected = ops.matmul(features, self.projection)
@@ -335,6 +338,9 @@ class DUQOutput(keras.layers.Layer):
 
         Prefer this to `log(layer(features))`: kernel values underflow to
         zero far from the centroids, their logarithm does not.
+
+        Args:
+            features: tensor `(batch, features)`, the backbone's output.
         """
         distances = _ops.squared_distances(self.embed(features), self.centroids)
         return _ops.log_kernel_values(distances, self.length_scales)

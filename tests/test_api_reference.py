@@ -21,3 +21,23 @@ def test_the_api_reference_lists_every_public_name():
         assert f"### `keras_duq.{name}`" in text, name
     for name in ("evaluation.ood_metrics", "callbacks.HealthCheck", "tuning.search"):
         assert f"### `keras_duq.{name}`" in text, name
+
+
+def test_warnings_are_errors_an_undocumented_name_or_argument_fails_the_build():
+    script = runpy.run_path(str(SCRIPT))
+
+    def half_documented(x, y):
+        """Does something.
+
+        Args:
+            x: a thing.
+        """
+
+    def undocumented(x):
+        pass
+
+    assert script["_problems"]("f", half_documented) == [
+        "`f`'s `Args:` does not document ['y']"
+    ]
+    assert script["_problems"]("g", undocumented) == ["`g` has no docstring"]
+    assert script["problems"]() == []  # the public API, as it is now
