@@ -466,18 +466,22 @@ def run(problem, seed, method, overrides, epochs=None, clipnorm=None):
 
 
 def summarize(paths):
-    """Markdown rows: per problem and label, the seeds and the mean of each metric."""
+    """Markdown rows: per problem, label and epochs, the seeds and the mean of each metric."""
     groups = {}
     for path in paths:
         with open(path) as f:
             for line in f:
                 record = json.loads(line)
-                key = (record["problem"], record.get("label", record["method"]))
+                key = (
+                    record["problem"],
+                    record.get("label", record["method"]),
+                    record.get("epochs", "-"),
+                )
                 groups.setdefault(key, []).append(record)
     rows = [
-        "| problem | settings | seeds | failed | train accuracy | test accuracy "
-        "| OoD AUROC | FPR at 95% TPR |",
-        "|---|---|---|---|---|---|---|---|",
+        "| problem | settings | epochs | seeds | failed | train accuracy "
+        "| test accuracy | OoD AUROC | FPR at 95% TPR |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
 
     def mean(records, name):
@@ -487,7 +491,7 @@ def summarize(paths):
         per_seed = " / ".join(f"{v:.3f}" for v in values)
         return f"{per_seed} ({np.mean(values):.3f})" if len(values) > 1 else per_seed
 
-    for (problem, label), records in groups.items():
+    for (problem, label, epochs), records in groups.items():
         seeds = ", ".join(str(r["seed"]) for r in records)
         failed = sum("failed" in r for r in records)
         cells = [
@@ -500,7 +504,9 @@ def summarize(paths):
             )
         ]
         rows.append(
-            f"| {problem} | {label} | {seeds} | {failed} | " + " | ".join(cells) + " |"
+            f"| {problem} | {label} | {epochs} | {seeds} | {failed} | "
+            + " | ".join(cells)
+            + " |"
         )
     return "\n".join(rows)
 

@@ -390,23 +390,26 @@ def test_recipe_summary_averages_each_label_and_counts_failed_runs(tmp_path):
             "test_accuracy": acc,
             "ood_auroc": 0.6,
             "ood_fpr_at_95_tpr": 0.9,
+            "epochs": epochs,
         }
-        for s, acc in ((0, 0.5), (1, 0.7))
+        for s, acc, epochs in ((0, 0.5, 10), (1, 0.7, 10), (0, 0.8, 30))
     ] + [
         {
             "problem": "cifar10",
             "method": "duq",
             "label": "defaults",
             "seed": 0,
+            "epochs": 10,
             "failed": "non-finite update in epoch 1",
         }
     ]
     path = tmp_path / "runs.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     rows = recipe.summarize([str(path)]).splitlines()
-    assert "| cifar10 | softmax | 0, 1 | 0 |" in rows[2]
+    assert "| cifar10 | softmax | 10 | 0, 1 | 0 |" in rows[2]
     assert "0.500 / 0.700 (0.600)" in rows[2]
-    assert rows[3] == "| cifar10 | defaults | 0 | 1 | - | - | - | - |"
+    assert "| cifar10 | softmax | 30 | 0 | 0 |" in rows[3]  # another budget
+    assert rows[4] == "| cifar10 | defaults | 10 | 0 | 1 | - | - | - | - |"
 
 
 def test_recipe_small_resnet_maps_images_to_pooled_features():
