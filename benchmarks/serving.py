@@ -18,7 +18,10 @@ from `predict`'s.
     python -m benchmarks.serving --backends tensorflow --windows 3   # quicker
 
 Needs the `export` extra (`pip install -e ".[export]"`) and the backends
-it runs. Runtimes use their default threads; OpenVINO is compiled with
+it runs; PyTorch's LiteRT row also needs `litert-torch`, in an environment
+of its own (docs/serving.md says why): run the benchmark from there, e.g. a
+virtual environment made with `--system-site-packages` on top of the
+`export` one. Runtimes use their default threads; OpenVINO is compiled with
 `INFERENCE_PRECISION_HINT: f32` (otherwise it may compute in bfloat16).
 """
 
@@ -221,6 +224,7 @@ def _versions():
         "tf2onnx",
         "jax2onnx",
         "onnx",
+        "litert_torch",
     ):
         if importlib.util.find_spec(name) is None:
             continue
