@@ -87,9 +87,9 @@ def keras_home():
 def pytest_configure(config):
     config.addinivalue_line(
         "markers",
-        "requires_backend(name): runs only when the suite runs under that Keras "
-        "backend (KERAS_BACKEND=name); tests that start their own backends in "
-        "subprocesses run once, in the backend named",
+        "requires_backend(*names): runs only when the suite runs under one of "
+        "these Keras backends (KERAS_BACKEND=name); tests that start their own "
+        "backends in subprocesses run once, in the backend named",
     )
 
 
@@ -99,5 +99,5 @@ def pytest_runtest_setup(item):
         return
     import keras
 
-    if keras.backend.backend() != marker.args[0]:
-        pytest.skip(f"needs KERAS_BACKEND={marker.args[0]}")
+    if keras.backend.backend() not in marker.args:
+        pytest.skip(f"needs KERAS_BACKEND={' or '.join(marker.args)}")

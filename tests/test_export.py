@@ -105,7 +105,7 @@ def _trained_model():
 # ------------------------------------------------- the serving signature
 
 
-@pytest.mark.skipif(BACKEND == "torch", reason="PyTorch has no SavedModel export here")
+@pytest.mark.requires_backend("tensorflow", "jax")  # PyTorch: no SavedModel
 def test_export_matches_predict_loaded_with_tensorflow_alone(tmp_path):
     model, x, y = _trained_model()
     kernel_values = model.predict(x, verbose=0)
@@ -250,9 +250,7 @@ def test_a_tf_serving_request_built_with_the_client_package_runs_the_signature(
     )
 
 
-@pytest.mark.skipif(
-    BACKEND != "tensorflow", reason="saved_model_cli reads the TF export"
-)
+@pytest.mark.requires_backend("tensorflow")  # saved_model_cli reads the TF export
 def test_export_signature_shapes_and_quiet_export(tmp_path, capfd):
     for _ in range(2):  # Keras numbers its input names per model built
         model = _model()
@@ -297,7 +295,7 @@ def test_export_signature_shapes_and_quiet_export(tmp_path, capfd):
 # ---------------------------------------------------------- PyTorch
 
 
-@pytest.mark.skipif(BACKEND != "torch", reason="the PyTorch backend's export error")
+@pytest.mark.requires_backend("torch")
 def test_export_on_torch_says_how(tmp_path):
     model = _model()
     path = tmp_path / "savedmodel"
@@ -349,7 +347,7 @@ def test_litert_from_torch_without_litert_torch_says_how(tmp_path, monkeypatch):
     assert not path.exists()
 
 
-@pytest.mark.skipif(BACKEND == "torch", reason="PyTorch has no SavedModel export here")
+@pytest.mark.requires_backend("tensorflow", "jax")  # PyTorch: no SavedModel
 def test_export_unknown_option_is_an_error(tmp_path):
     model = _model()
     path = tmp_path / "savedmodel"
@@ -386,10 +384,8 @@ def test_export_refuses_an_unfitted_calibrator(tmp_path):
     assert not path.exists()
 
 
-@pytest.mark.skipif(
-    BACKEND == "torch",
-    reason="PyTorch writes every format but the SavedModel (its own error above)",
-)
+# PyTorch writes every format but the SavedModel, whose error has its own test.
+@pytest.mark.requires_backend("tensorflow", "jax")
 def test_a_format_this_backend_does_not_write_says_what_works(tmp_path):
     from keras_duq._export import SERVING_FORMATS
 

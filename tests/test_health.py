@@ -649,12 +649,10 @@ def test_jax_backend_warns_too():
     assert len(out["names"]) == 1 and out["gap_after_recompute"] < 1e-4
 
 
-@pytest.mark.skipif(
-    keras.backend.backend() == "jax",
-    reason="JAX on a CPU takes over a minute to compile MobileNetV3Small's "
-    "training step (two minutes eagerly); the other tests of this file run "
-    "every check on JAX",
-)
+# JAX on a CPU takes over a minute to compile MobileNetV3Small's training
+# step (two minutes eagerly); the other tests of this file run every check
+# on JAX.
+@pytest.mark.requires_backend("tensorflow", "torch")
 def test_keras_applications_backbone_with_collapsed_inference_certainty_warns():
     # MobileNetV3Small after 4 steps: BatchNormalization's moving statistics
     # (momentum 0.99) are still near their initial values, and in inference

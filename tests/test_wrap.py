@@ -126,11 +126,9 @@ def test_subclassed_backbone_needs_input_shape():
     _train_one_step(model, x, 2)
 
 
-@pytest.mark.skipif(
-    keras.backend.backend() == "jax",
-    reason="JAX on a CPU takes over a minute for ResNet50's double backprop, "
-    "compiled or eager; the other tests of this file wrap and train on JAX",
-)
+# JAX on a CPU takes over a minute for ResNet50's double backprop, compiled
+# or eager; the other tests of this file wrap and train on JAX.
+@pytest.mark.requires_backend("tensorflow", "torch")
 def test_keras_applications_backbone():
     backbone = keras.applications.ResNet50(
         weights=None, include_top=False, pooling="avg", input_shape=(32, 32, 3)
