@@ -77,10 +77,23 @@ sys.meta_path.insert(0, Block())
 """
 
 
+def skip_unless_installed(backend):
+    """Skips the test where `backend` is not installed (`tests` installs TensorFlow only)."""
+    import importlib.util
+
+    import pytest
+
+    module = {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}[backend]
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f'needs {module}: pip install -e ".[tests-{backend}]"')
+
+
 def run(
     script, backend="jax", extra_env=None, timeout=300, block_tensorflow=False, args=()
 ):
     """Runs `PRELUDE + script` under `backend`; returns its last line of output, as JSON."""
+    if backend != "tensorflow":
+        skip_unless_installed(backend)
     env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
     env.update(extra_env or {})
     prelude = PRELUDE + (BLOCK_TENSORFLOW if block_tensorflow else "")

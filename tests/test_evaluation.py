@@ -675,7 +675,7 @@ def test_calibrator_in_tf_function_and_on_tensors():
     )
 
 
-@pytest.mark.requires_backend("tensorflow")  # its subprocess runs JAX
+@pytest.mark.requires_backend("jax")  # in the JAX run, eager and jitted
 def test_calibrator_on_jax_backend(tmp_path):
     certainty, correct = _calibration_data()
     calibrator = keras_duq.evaluation.CertaintyCalibrator().fit(certainty, correct)

@@ -259,6 +259,9 @@ def test_fit_killed_mid_epoch_resumes_with_backup_and_restore(tmp_path, backend)
     import subprocess
     import sys
 
+    from backend_subprocess import skip_unless_installed
+
+    skip_unless_installed(backend)
     script = os.path.join(os.path.dirname(__file__), "scripts", "interrupted_fit.py")
     env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
 

@@ -630,6 +630,9 @@ def test_jax_backend_warns_too():
             "zero_input_gradient": history["zero_input_gradient"],
         }))
     """
+    from backend_subprocess import skip_unless_installed
+
+    skip_unless_installed("jax")
     env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3")
     result = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(script)],

@@ -5,7 +5,6 @@ process has one backend, and some of these need an environment set before
 JAX starts); they run once, in the suite's JAX run.
 """
 
-import jax  # noqa: F401  (part of the tests extra: fail loudly without it)
 import numpy as np
 import pytest
 from backend_subprocess import run

@@ -404,6 +404,9 @@ print("ok")
 
 @pytest.mark.slow
 def test_jax_backend():
+    from backend_subprocess import skip_unless_installed
+
+    skip_unless_installed("jax")
     root = Path(__file__).resolve().parents[1]
     environment = {**os.environ, "KERAS_BACKEND": "jax", "PYTHONPATH": str(root)}
     result = subprocess.run(
