@@ -88,8 +88,8 @@ _INSTALL_HINTS = {
     # TensorFlow's and Keras's own dependencies outgrew: it gets an
     # environment of its own, beside PyTorch and keras-duq.
     "litert_torch": (
-        "`pip install litert-torch` in an environment of its own with PyTorch "
-        "and keras-duq (its pins conflict with the `export` extra's)"
+        "with `pip install litert-torch` in an environment of its own with "
+        "PyTorch and keras-duq (its pins conflict with the `export` extra's)"
     ),
 }
 
