@@ -228,4 +228,13 @@ def test_overflowing_loss_scaled_step_is_skipped(policy):
     )
     assert float(model.optimizer.dynamic_scale) < 3e38
     assert int(model.optimizer.iterations) == 0
+    # The skipped step is left out of the metrics, whose values stay finite.
     assert all(np.isfinite(value) for value in logs.values()), logs
+    # With ordinary inputs the scaled gradients are finite again: the step
+    # and the centroid update both apply.
+    counts = keras.ops.convert_to_numpy(model.duq_output.centroid_counts)
+    model.train_on_batch(x, y)
+    assert int(model.optimizer.iterations) == 1
+    assert not np.array_equal(
+        counts, keras.ops.convert_to_numpy(model.duq_output.centroid_counts)
+    )

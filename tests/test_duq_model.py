@@ -524,30 +524,6 @@ def test_integer_only_inputs_need_penalty_off():
     model.fit(x, np.arange(16) % 2, epochs=1, verbose=0)
 
 
-def test_overflowing_loss_scaled_step_is_skipped_with_centroids():
-    model = _model()
-    model.compile(
-        optimizer=keras.optimizers.LossScaleOptimizer(
-            keras.optimizers.SGD(0.05), initial_scale=3e38
-        )
-    )
-    x, y = _data()
-    model.optimizer.build(model.trainable_weights)
-    state = _state(model)
-    # Far-away inputs give a loss > 1e3, so 3e38 * loss overflows float32
-    # (and so does the penalty's input gradient, scaled by the same 3e38).
-    logs = model.train_on_batch(1e3 * x, y, return_dict=True)
-    _assert_state_equal(model, state)
-    assert float(model.optimizer.dynamic_scale) < 3e38
-    # The skipped step is left out of the metrics, whose values stay finite.
-    assert all(np.isfinite(value) for value in logs.values()), logs
-    # With ordinary inputs the scaled gradients are finite again: the step
-    # and the centroid update both apply.
-    counts = model.duq_output.centroid_counts.numpy().copy()
-    model.train_on_batch(x, y)
-    assert not np.array_equal(counts, model.duq_output.centroid_counts.numpy())
-
-
 # ----------------------------------------------------------------- saving
 
 
@@ -669,17 +645,6 @@ def test_penalty_gradient_survives_float16_underflow(policy, monkeypatch):
 
     assert error(scaled) < 0.01, error(scaled)
     assert error(unscaled) > 0.5, error(unscaled)
-
-
-@pytest.mark.parametrize("name", ["mixed_float16", "mixed_bfloat16"])
-def test_mixed_precision_trains(policy, name):
-    policy(name)
-    model = _compiled(gradient_penalty=1.0)
-    x, y = _data()
-    history = model.fit(x, y, epochs=5, batch_size=16, verbose=0).history
-    assert np.isfinite(history["loss"]).all()
-    assert history["loss"][-1] < history["loss"][0]
-    assert model.predict(x[:4], verbose=0).dtype == np.float32
 
 
 # One small model for the distribution tests, as a module their fresh
