@@ -144,17 +144,18 @@ def _entry(qualified, value) -> list[str]:
     return [f"### `{qualified}`", "", f"```python\n{qualified} = {value!r}\n```", ""]
 
 
-def _public() -> list[tuple[str, object]]:
-    """`(qualified name, value)` of everything the reference documents, in order."""
+def _public() -> list[tuple[str, str, object]]:
+    """`(module, qualified name, value)` of everything the reference documents, in order."""
     import keras_duq
 
     found = [
-        (f"keras_duq.{name}", getattr(keras_duq, name)) for name in keras_duq.__all__
+        ("keras_duq", f"keras_duq.{name}", getattr(keras_duq, name))
+        for name in keras_duq.__all__
     ]
     for namespace in NAMESPACES:
         module = importlib.import_module(f"keras_duq.{namespace}")
         found += [
-            (f"keras_duq.{namespace}.{name}", getattr(module, name))
+            (module.__name__, f"{module.__name__}.{name}", getattr(module, name))
             for name in _public_names(module)
         ]
     return found
@@ -164,14 +165,12 @@ def problems() -> list[str]:
     """Docstrings the reference would render incomplete (the build's warnings)."""
     return [
         problem
-        for qualified, value in _public()
+        for _, qualified, value in _public()
         for problem in _entry_problems(qualified, value)
     ]
 
 
 def render() -> str:
-    import keras_duq
-
     lines = [
         "# API reference",
         "",
@@ -181,13 +180,13 @@ def render() -> str:
         "## `keras_duq`",
         "",
     ]
-    for name in keras_duq.__all__:
-        lines += _entry(f"keras_duq.{name}", getattr(keras_duq, name))
-    for namespace in NAMESPACES:
-        module = importlib.import_module(f"keras_duq.{namespace}")
-        lines += [f"## `keras_duq.{namespace}`", "", _doc(module).split("\n\n")[0], ""]
-        for name in _public_names(module):
-            lines += _entry(f"keras_duq.{namespace}.{name}", getattr(module, name))
+    section = "keras_duq"
+    for module_name, qualified, value in _public():
+        if module_name != section:
+            section = module_name
+            module = importlib.import_module(module_name)
+            lines += [f"## `{module_name}`", "", _doc(module).split("\n\n")[0], ""]
+        lines += _entry(qualified, value)
     return "\n".join(lines).rstrip() + "\n"
 
 

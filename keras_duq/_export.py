@@ -193,40 +193,37 @@ class ServingOptions:
 
         Called before anything is traced or written, for every format.
         """
-        certainty_threshold, calibrator, top_k = (
-            self.certainty_threshold,
-            self.calibrator,
-            self.top_k,
-        )
-        if certainty_threshold is not None and (
-            isinstance(certainty_threshold, bool)
-            or not isinstance(certainty_threshold, (int, float))
-            or not 0.0 <= certainty_threshold <= 1.0
+        threshold = self.certainty_threshold
+        if threshold is not None and (
+            isinstance(threshold, bool)
+            or not isinstance(threshold, (int, float))
+            or not 0.0 <= threshold <= 1.0
         ):
             raise ValueError(
                 "Expected `certainty_threshold` to be a float in [0, 1] (a "
                 "kernel value: `accept` is `certainty >= certainty_threshold`), "
                 "or `None` for no `accept` output. Received: "
-                f"`certainty_threshold={certainty_threshold!r}`"
+                f"`certainty_threshold={threshold!r}`"
             )
-        if calibrator is not None and (
-            not callable(calibrator) or getattr(calibrator, "fitted", True) is False
+        if self.calibrator is not None and (
+            not callable(self.calibrator)
+            or getattr(self.calibrator, "fitted", True) is False
         ):
             raise ValueError(
                 "Expected `calibrator` to be a fitted "
                 "`keras_duq.evaluation.CertaintyCalibrator` (call its `fit` on "
                 "validation certainty and correctness first), or `None`. "
-                f"Received: `calibrator={calibrator!r}`"
+                f"Received: `calibrator={self.calibrator!r}`"
             )
-        if top_k is not None and (
-            isinstance(top_k, bool)
-            or not isinstance(top_k, int)
-            or not 1 <= top_k <= num_classes
+        if self.top_k is not None and (
+            isinstance(self.top_k, bool)
+            or not isinstance(self.top_k, int)
+            or not 1 <= self.top_k <= num_classes
         ):
             raise ValueError(
                 f"Expected `top_k` to be an int in [1, {num_classes}] (the "
                 "number of classes served per example), or `None` to serve "
-                f"every kernel value. Received: `top_k={top_k!r}`"
+                f"every kernel value. Received: `top_k={self.top_k!r}`"
             )
 
 
@@ -489,17 +486,29 @@ def _export_litert_from_torch(
     kwargs.setdefault("enable_x64", True)
     serving_model.eval()
     out, err = io.StringIO(), io.StringIO()
-    with (
-        _jax_x64_kept(),
-        contextlib.redirect_stdout(out),
-        contextlib.redirect_stderr(err),
-    ):
-        import litert_torch
+    # litert-torch converts on the CPU: a model trained on a GPU goes there
+    # for the conversion and back after it, as in Keras's own LiteRT export.
+    devices = [
+        (variable, variable.value.device) for variable in serving_model.variables
+    ]
+    try:
+        for variable, _ in devices:
+            variable.value.data = variable.value.data.to("cpu")
+        with (
+            keras.device("cpu"),
+            _jax_x64_kept(),
+            contextlib.redirect_stdout(out),
+            contextlib.redirect_stderr(err),
+        ):
+            import litert_torch
 
-        edge_model = litert_torch.convert(
-            serving_model, sample_kwargs={SINGLE_INPUT_NAME: sample}, **kwargs
-        )
-        edge_model.export(filepath)
+            edge_model = litert_torch.convert(
+                serving_model, sample_kwargs={SINGLE_INPUT_NAME: sample}, **kwargs
+            )
+            edge_model.export(filepath)
+    finally:
+        for variable, device in devices:
+            variable.value.data = variable.value.data.to(device)
     if verbose:
         print(err.getvalue() + out.getvalue(), end="")
         print(f"Saved LiteRT model at '{filepath}' (batch size {shape[0]}).")

@@ -83,9 +83,8 @@ def skip_unless_installed(backend):
 
     import pytest
 
-    module = {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}[backend]
-    if importlib.util.find_spec(module) is None:
-        pytest.skip(f'needs {module}: pip install -e ".[tests-{backend}]"')
+    if importlib.util.find_spec(backend) is None:  # each backend's module name
+        pytest.skip(f'needs {backend}: pip install -e ".[tests-{backend}]"')
 
 
 def run(
