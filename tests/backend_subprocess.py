@@ -1,12 +1,19 @@
-"""Scripts run in a subprocess under a chosen Keras backend (a process has one)."""
+"""Scripts of `tests/scripts/` run in a subprocess under a chosen Keras backend.
+
+A process has one backend, and some settings (logical devices, TF_CONFIG,
+XLA flags) must be made before the backend starts. Each script is a file
+that prints its results as JSON on its last line; `run` returns them.
+The helpers here (`make_model`, `data`, `state`) are the scripts' too.
+"""
 
 import json
 import os
 import subprocess
 import sys
-import textwrap
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+SCRIPTS_DIR = os.path.join(TESTS_DIR, "scripts")
+ROOT = os.path.dirname(TESTS_DIR)
 
 
 def make_model(
@@ -56,25 +63,26 @@ def state(model):
     return [keras.ops.convert_to_numpy(v) for v in model.weights]
 
 
-PRELUDE = f"""
-import json, os, sys
-sys.path.insert(0, {TESTS_DIR!r})
-import numpy as np
-import keras
-import keras_duq
-from backend_subprocess import data, make_model, state
+# Puts the blocker below in place, then runs the script named by argv[1].
+_BLOCKED_RUN = """
+import runpy, sys
+import backend_subprocess
+backend_subprocess.block_tensorflow()
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-# After the prelude: any later `import tensorflow` fails, as where it is not installed.
-BLOCK_TENSORFLOW = """
-import importlib.abc
-class Block(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name.split(".")[0] == "tensorflow":
-            raise ImportError("blocked: " + name)
-sys.meta_path.insert(0, Block())
-"""
+def block_tensorflow():
+    """Makes any later `import tensorflow` fail, as where it is not installed."""
+    import importlib.abc
+
+    class Block(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name.split(".")[0] == "tensorflow":
+                raise ImportError("blocked: " + name)
+
+    sys.meta_path.insert(0, Block())
 
 
 def skip_unless_installed(backend):
@@ -87,23 +95,43 @@ def skip_unless_installed(backend):
         pytest.skip(f'needs {backend}: pip install -e ".[tests-{backend}]"')
 
 
+def script_path(script):
+    """The path of `script`, a file of `tests/scripts/`."""
+    return os.path.join(SCRIPTS_DIR, script)
+
+
+def script_env(backend, extra_env=None):
+    """The environment a script runs in: `backend`, and `tests/`, `tests/scripts/`
+    and the repository root importable (for `backend_subprocess`, the scripts'
+    helper modules and `reproduction`)."""
+    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
+    path = [TESTS_DIR, SCRIPTS_DIR, ROOT] + (
+        [env["PYTHONPATH"]] if "PYTHONPATH" in env else []
+    )
+    env["PYTHONPATH"] = os.pathsep.join(path)
+    env.update(extra_env or {})
+    return env
+
+
 def run(
     script, backend="jax", extra_env=None, timeout=300, block_tensorflow=False, args=()
 ):
-    """Runs `PRELUDE + script` under `backend`; returns its last line of output, as JSON."""
+    """Runs `tests/scripts/<script>` under `backend`; returns its last line of output, as JSON.
+
+    With `block_tensorflow`, any `import tensorflow` in the script fails.
+    """
     if backend != "tensorflow":
         skip_unless_installed(backend)
-    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
-    env.update(extra_env or {})
-    prelude = PRELUDE + (BLOCK_TENSORFLOW if block_tensorflow else "")
+    command = [script_path(script), *args]
+    if block_tensorflow:
+        command = ["-c", _BLOCKED_RUN, *command]
     result = subprocess.run(
-        [sys.executable, "-c", prelude + textwrap.dedent(script), *args],
+        [sys.executable, *command],
         capture_output=True,
         text=True,
-        env=env,
+        env=script_env(backend, extra_env),
         timeout=timeout,
-        # The repository root: scripts import `reproduction` from there.
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        cwd=ROOT,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     return json.loads(result.stdout.strip().splitlines()[-1])

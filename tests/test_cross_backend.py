@@ -16,42 +16,9 @@ BACKENDS = ("tensorflow", "jax", "torch")
 pytestmark = [pytest.mark.requires_backend("tensorflow"), pytest.mark.slow]
 
 # Same initial weights (written by TensorFlow), same 3 batches, a CNN with
-# BatchNormalization, the penalty on and momentum SGD; then the trained
-# model is saved as a `.keras` file with its predictions.
-_TRAIN = """
-    model = make_model()
-    x, y = data()
-    folder = sys.argv[1]
-    backend = keras.backend.backend()
-    if backend == "tensorflow":
-        model.save_weights(os.path.join(folder, "initial.weights.h5"))
-        np.savez(os.path.join(folder, "initial.npz"), *state(model))
-    model.load_weights(os.path.join(folder, "initial.weights.h5"))
-    model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
-    np.savez(os.path.join(folder, backend + ".npz"), *state(model))
-    model.save(os.path.join(folder, backend + ".keras"))
-    np.save(os.path.join(folder, backend + "_predictions.npy"), model.predict(x, verbose=0))
-    print(json.dumps({"names": [v.path for v in model.weights]}))
-"""
-
-# Loads the other backends' files: same predictions, and training goes on.
-_LOAD = """
-    folder = sys.argv[1]
-    x, y = data()
-    results = {}
-    for source in json.loads(sys.argv[2]):
-        model = keras.saving.load_model(os.path.join(folder, source + ".keras"))
-        expected = np.load(os.path.join(folder, source + "_predictions.npy"))
-        error = float(np.abs(model.predict(x, verbose=0) - expected).max())
-        before = int(model.optimizer.iterations)
-        history = model.fit(x, y, batch_size=32, epochs=1, verbose=0).history
-        results[source] = dict(
-            error=error,
-            steps=int(model.optimizer.iterations) - before,
-            loss=history["loss"][0],
-        )
-    print(json.dumps(results))
-"""
+# BatchNormalization, the penalty on and momentum SGD
+# (`scripts/cross_backend_train.py`); then each backend loads the others'
+# `.keras` files (`scripts/cross_backend_load.py`).
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +27,9 @@ def trained(tmp_path_factory):
     folder = tmp_path_factory.mktemp("backends")
     names = None
     for backend in BACKENDS:  # TensorFlow first: it writes the initial weights
-        names = run(_TRAIN, backend=backend, args=[str(folder)])["names"]
+        names = run("cross_backend_train.py", backend=backend, args=[str(folder)])[
+            "names"
+        ]
     return folder, names
 
 
@@ -92,7 +61,11 @@ def test_keras_files_load_on_every_backend_and_keep_training(trained):
     folder, _ = trained
     for backend in BACKENDS:
         sources = [source for source in BACKENDS if source != backend]
-        results = run(_LOAD, backend=backend, args=[str(folder), json.dumps(sources)])
+        results = run(
+            "cross_backend_load.py",
+            backend=backend,
+            args=[str(folder), json.dumps(sources)],
+        )
         for source, result in results.items():
             assert result["error"] <= 1e-5, (source, backend, result)
             assert result["steps"] == 3 and np.isfinite(result["loss"]), (

@@ -3,6 +3,7 @@
 import json
 import os
 
+import backend_subprocess
 import keras
 import numpy as np
 import pytest
@@ -647,118 +648,16 @@ def test_penalty_gradient_survives_float16_underflow(policy, monkeypatch):
     assert error(unscaled) > 0.5, error(unscaled)
 
 
-# One small model for the distribution tests, as a module their fresh
-# processes import.
-_DISTRIBUTED_BUILD = """
-import keras
-import keras_duq
-
-
-def build(head="per_class"):
-    inputs = keras.Input((4,))
-    x = keras.layers.Dense(8, activation="relu")(inputs)
-    outputs = keras_duq.DUQOutput(
-        num_classes=3, centroid_dims=5, momentum=0.9, length_scale=0.5, head=head
-    )(x)
-    model = keras_duq.DUQModel(inputs, outputs, gradient_penalty=0.5)
-    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9))
-    return model
-"""
-
-_MIRRORED_SCRIPT = """
-import json
-import os
-import sys
-import numpy as np
-import tensorflow as tf
-cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(
-    cpu, [tf.config.LogicalDeviceConfiguration()] * 2
-)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from distributed_model import build
-
-rng = np.random.default_rng(0)
-x = rng.normal(size=(16, 4)).astype("float32")
-y = np.array([0] * 2 + [1] * 6 + [2] * 8)  # the replicas see different classes
-head = sys.argv[1]
-single = build(head)
-strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-with strategy.scope():
-    mirrored = build(head)
-for weight, other in zip(mirrored.weights, single.weights):
-    weight.assign(other.numpy())
-single.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-mirrored.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-head = mirrored.duq_output
-copies = [
-    [t.numpy() for t in strategy.experimental_local_results(v.value)]
-    for v in (head.centroid_counts, head.centroid_sums)
-]
-print(json.dumps({
-    "replicas": strategy.num_replicas_in_sync,
-    "copies": len(copies[0]),
-    "copy_difference": max(float(np.abs(c[0] - c[1]).max()) for c in copies),
-    "difference": max(
-        float(np.abs(a.numpy() - b.numpy()).max())
-        for a, b in zip(single.weights, mirrored.weights)
-    ),
-}))
-"""
-
-
 @pytest.mark.requires_backend("tensorflow")  # tf.distribute
 @pytest.mark.parametrize("head", ["per_class", "shared"])
-def test_mirrored_strategy_matches_one_device(tmp_path, head):
+def test_mirrored_strategy_matches_one_device(head):
     # Two logical CPUs must be configured before TensorFlow starts: a fresh
     # process. Without the cross-replica sum in update_centroids the weights
     # differ by ~0.8 here (measured), the replicas' centroid copies agreeing.
-    import subprocess
-    import sys
-
-    (tmp_path / "distributed_model.py").write_text(_DISTRIBUTED_BUILD)
-    script = tmp_path / "mirrored.py"
-    script.write_text(_MIRRORED_SCRIPT)
-    result = subprocess.run(
-        [sys.executable, str(script), head],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = backend_subprocess.run("mirrored.py", backend="tensorflow", args=[head])
     assert report["replicas"] == 2 and report["copies"] == 2
     assert report["copy_difference"] == 0.0
     assert report["difference"] < 1e-5
-
-
-_MULTI_WORKER_SCRIPT = """
-import json, os, sys
-index, ports, initial, out = int(sys.argv[1]), sys.argv[2].split(","), sys.argv[3], sys.argv[4]
-os.environ["TF_CONFIG"] = json.dumps({
-    "cluster": {"worker": [f"127.0.0.1:{port}" for port in ports]},
-    "task": {"type": "worker", "index": index},
-})
-import numpy as np
-import tensorflow as tf
-import keras
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from distributed_model import build
-
-strategy = tf.distribute.MultiWorkerMirroredStrategy()
-with strategy.scope():
-    model = build()
-data = np.load(initial)
-for i, weight in enumerate(model.weights):
-    weight.assign(data[f"w{i}"])
-dataset = tf.data.Dataset.from_tensor_slices((data["x"], data["y"])).batch(16)
-options = tf.data.Options()
-options.experimental_distribute.auto_shard_policy = (
-    tf.data.experimental.AutoShardPolicy.DATA
-)
-model.fit(dataset.with_options(options), epochs=3, verbose=0)
-np.savez(out, replicas=strategy.num_replicas_in_sync,
-         **{f"w{i}": w.numpy() for i, w in enumerate(model.weights)})
-"""
 
 
 def _free_ports(count):
@@ -784,13 +683,11 @@ def test_multi_worker_mirrored_strategy_matches_one_process(tmp_path):
     import subprocess
     import sys
 
-    (tmp_path / "worker.py").write_text(_MULTI_WORKER_SCRIPT)
-    (tmp_path / "distributed_model.py").write_text(_DISTRIBUTED_BUILD)
-    sys.path.insert(0, str(tmp_path))
+    sys.path.insert(0, backend_subprocess.SCRIPTS_DIR)
     try:
         from distributed_model import build
     finally:
-        sys.path.remove(str(tmp_path))
+        sys.path.remove(backend_subprocess.SCRIPTS_DIR)
     keras.utils.set_random_seed(0)
     reference = build()
     rng = np.random.default_rng(0)
@@ -810,12 +707,13 @@ def test_multi_worker_mirrored_strategy_matches_one_process(tmp_path):
         subprocess.Popen(
             [
                 sys.executable,
-                str(tmp_path / "worker.py"),
+                backend_subprocess.script_path("multi_worker.py"),
                 str(i),
                 ports,
                 str(initial),
                 str(tmp_path / f"worker{i}.npz"),
             ],
+            env=backend_subprocess.script_env("tensorflow"),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

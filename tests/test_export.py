@@ -6,11 +6,11 @@ all three). Every SavedModel is loaded in a separate process that imports
 TensorFlow only.
 """
 
-import json
 import os
 import subprocess
 import sys
 
+import backend_subprocess
 import keras
 import numpy as np
 import pytest
@@ -20,27 +20,6 @@ from keras_duq.evaluation import CertaintyCalibrator
 
 BACKEND = keras.backend.backend()
 
-# Loads each SavedModel given as `path=inputs.npz`, calls `serving_default`
-# with the arrays of the .npz by name and writes its outputs beside it.
-_SERVE_WITH_TF_ONLY = """
-import json, sys
-import numpy as np
-import tensorflow as tf
-report = {}
-for argument in sys.argv[1:]:
-    path, inputs = argument.split("=")
-    serve = tf.saved_model.load(path).signatures["serving_default"]
-    arrays = np.load(inputs)
-    outputs = serve(**{name: tf.constant(arrays[name]) for name in arrays.files})
-    np.savez(path + ".out.npz", **{k: v.numpy() for k, v in outputs.items()})
-    report[path] = {
-        "inputs": sorted(serve.structured_input_signature[1]),
-        "dtypes": {k: v.dtype.name for k, v in outputs.items()},
-    }
-report["imported"] = sorted(m for m in sys.modules if m.startswith("keras_duq"))
-print(json.dumps(report))
-"""
-
 
 def _serve_with_tf_only(tmp_path, exports):
     """`{path: {input name: array}}` -> (`{path: outputs}`, report), in a TF-only process."""
@@ -48,19 +27,10 @@ def _serve_with_tf_only(tmp_path, exports):
     for path, inputs in exports.items():
         np.savez(f"{path}.in.npz", **inputs)
         arguments.append(f"{path}={path}.in.npz")
-    script = tmp_path / "serve.py"
-    script.write_text(_SERVE_WITH_TF_ONLY)
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    env.pop("KERAS_BACKEND", None)
-    result = subprocess.run(
-        [sys.executable, str(script), *arguments],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
+    # No KERAS_BACKEND: the script imports TensorFlow alone.
+    report = backend_subprocess.run(
+        "serve_with_tf_only.py", backend="tensorflow", args=arguments
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report.pop("imported") == []
     outputs = {path: dict(np.load(f"{path}.out.npz")) for path in exports}
     return outputs, report

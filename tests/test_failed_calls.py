@@ -254,16 +254,16 @@ def test_print_number_of_cases(capsys):
 @pytest.mark.parametrize("backend", ["tensorflow", "jax", "torch"])
 def test_fit_killed_mid_epoch_resumes_with_backup_and_restore(tmp_path, backend):
     """SIGKILL in epoch 2, then the same `fit`: the model of an uninterrupted run."""
-    import os
     import signal
     import subprocess
     import sys
 
+    from backend_subprocess import script_env
+    from backend_subprocess import script_path
     from backend_subprocess import skip_unless_installed
 
     skip_unless_installed(backend)
-    script = os.path.join(os.path.dirname(__file__), "scripts", "interrupted_fit.py")
-    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
+    script, env = script_path("interrupted_fit.py"), script_env(backend)
 
     def run(*args):
         return subprocess.run(

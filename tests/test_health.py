@@ -1,10 +1,5 @@
 """Health checks: each failure built on purpose warns, a healthy model does not."""
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
 import warnings
 
 import keras
@@ -598,51 +593,9 @@ def test_recompute_callback_bad_arguments_raise_before_training():
 @pytest.mark.slow
 @pytest.mark.requires_backend("tensorflow")
 def test_jax_backend_warns_too():
-    script = """
-        import json, warnings
-        import numpy as np, keras, keras_duq
-        keras.utils.set_random_seed(0)
-        inputs = keras.Input((4,))
-        x = keras.layers.Rescaling(0.0)(inputs)
-        outputs = keras_duq.DUQOutput(3, centroid_dims=6, momentum=0.9)(
-            keras.layers.Dense(8, use_bias=False)(x))
-        model = keras_duq.DUQModel(inputs, outputs, gradient_penalty=0.5)
-        model.compile(optimizer="sgd")
-        rng = np.random.default_rng(0)
-        x = rng.normal(size=(400, 4)).astype("float32"); y = np.arange(400) % 3
-        inputs = keras.Input((4,))
-        features = keras.layers.Dense(8)(keras.layers.BatchNormalization()(inputs))
-        unsettled = keras_duq.DUQModel(
-            inputs, keras_duq.DUQOutput(3, centroid_dims=6, length_scale=0.5)(features))
-        unsettled.compile(optimizer="sgd")
-        with warnings.catch_warnings(record=True) as record:
-            warnings.simplefilter("always")
-            history = model.fit(x, y, batch_size=4, epochs=2, verbose=0).history
-            unsettled.evaluate(5.0 + 10.0 * x, y, verbose=0)
-        names = keras_duq.recompute_batch_norm_statistics(unsettled, 5.0 + 10.0 * x, batch_size=400)
-        from keras_duq import _health
-        gap = _health.ModeComparison(unsettled, 5.0 + 10.0 * x, chunk_size=400).gap
-        print(json.dumps({
-            "warnings": sorted({w.category.__name__ for w in record
-                                if issubclass(w.category, keras_duq.DUQHealthWarning)}),
-            "gap_after_recompute": gap,
-            "names": names,
-            "zero_input_gradient": history["zero_input_gradient"],
-        }))
-    """
-    from backend_subprocess import skip_unless_installed
+    from backend_subprocess import run
 
-    skip_unless_installed("jax")
-    env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3")
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(script)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    out = json.loads(result.stdout.strip().splitlines()[-1])
+    out = run("health_jax.py", backend="jax")
     assert out["warnings"] == [
         "BatchNormStatisticsWarning",
         "CentroidWarning",

@@ -247,61 +247,14 @@ def test_mixed_float16_step_matches_float32(policy):
     )
 
 
-_MIRRORED_SCRIPT = """
-import json
-import sys
-import numpy as np
-import tensorflow as tf
-cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(
-    cpu, [tf.config.LogicalDeviceConfiguration()] * 2
-)
-import keras
-sys.path.insert(0, sys.argv[1])
-from test_penalty_input import _model, _tokens
-
-def build():
-    model = _model(health_checks=False)
-    model.compile(optimizer=keras.optimizers.SGD(0.1))
-    return model
-
-x, y = _tokens(n=16)
-single = build()
-strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-with strategy.scope():
-    mirrored = build()
-for weight, other in zip(mirrored.weights, single.weights):
-    weight.assign(other.numpy())
-logs = [
-    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
-    for model in (single, mirrored)
-]
-print(json.dumps({
-    "penalties": [log["gradient_penalty"] for log in logs],
-    "difference": max(
-        float(np.abs(a.numpy() - b.numpy()).max())
-        for a, b in zip(single.weights, mirrored.weights)
-    ),
-}))
-"""
-
-
 @pytest.mark.slow
 @pytest.mark.requires_backend("tensorflow")  # tf.distribute
-def test_mirrored_strategy_matches_one_device(tmp_path):
+def test_mirrored_strategy_matches_one_device():
     # The replicas run their steps in threads of their own, each with its
     # own probe. Two logical CPUs must be configured before TensorFlow
     # starts: a fresh process.
-    import subprocess
-    import sys
-    from pathlib import Path
+    from backend_subprocess import run
 
-    script = tmp_path / "mirrored.py"
-    script.write_text(_MIRRORED_SCRIPT)
-    tests = str(Path(__file__).resolve().parent)
-    result = subprocess.run(
-        [sys.executable, str(script), tests], capture_output=True, text=True, check=True
-    )
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = run("penalty_input_mirrored.py", backend="tensorflow")
     np.testing.assert_allclose(*report["penalties"], rtol=1e-5)
     assert report["difference"] < 1e-5

@@ -1,11 +1,5 @@
 """`keras_duq.SpectralNormalization` and `keras_duq.spectral_normalize`."""
 
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import keras
 import numpy as np
 import pytest
@@ -358,63 +352,8 @@ def test_spectral_normalize_rejects_subclassed_and_duq_models():
         keras_duq.spectral_normalize(duq)
 
 
-_JAX_SCRIPT = """
-import numpy as np
-import keras
-import keras_duq
-from keras_duq import _compat
-from tests.test_spectral_normalization import (
-    _CONVOLUTIONS, _assert_transpose_is_adjoint, _cnn_backbone, _dense_model, _images,
-    _np, _operator_norm, _train_calls, _wrappers,
-)
-
-assert keras.backend.backend() == "jax"
-normalized = keras_duq.spectral_normalize(
-    _dense_model([10.0, 5.0, 2.0]), coefficient=2.0, power_iterations=20
-)
-_train_calls(normalized, (6,), 1)
-assert 1.9 <= _operator_norm(normalized, (6,)) <= 2.1
-
-# The configurations where the transpose's output size needs care.
-for name in [
-    "conv1d_causal_dilated", "conv2d_channels_first", "conv2d_strided_odd", "depthwise_strided"
-]:
-    _assert_transpose_is_adjoint(name)
-
-keras.utils.set_random_seed(0)
-backbone = keras_duq.spectral_normalize(_cnn_backbone(), coefficient=1.0)
-model = keras_duq.wrap(backbone, num_classes=2, length_scale=0.5, gradient_penalty=0.5)
-model.compile(optimizer=keras.optimizers.SGD(0.05))
-x, y = _images(16)
-initial = [_np(w.vector_u).copy() for w in _wrappers(backbone)]
-history = model.fit(x, y, batch_size=8, verbose=0)
-assert np.isfinite(history.history["loss"][-1])
-vectors = [_np(w.vector_u).copy() for w in _wrappers(backbone)]
-assert not any(np.array_equal(a, b) for a, b in zip(initial, vectors))
-try:
-    model.fit(x * 1e30, y, batch_size=16, verbose=0)
-    raise AssertionError("the overflowing batch was accepted")
-except ValueError as error:
-    assert "non-finite" in str(error), error
-for before, wrapper in zip(vectors, _wrappers(backbone)):
-    np.testing.assert_array_equal(before, _np(wrapper.vector_u))
-print("ok")
-"""
-
-
 @pytest.mark.slow
 def test_jax_backend():
-    from backend_subprocess import skip_unless_installed
+    from backend_subprocess import run
 
-    skip_unless_installed("jax")
-    root = Path(__file__).resolve().parents[1]
-    environment = {**os.environ, "KERAS_BACKEND": "jax", "PYTHONPATH": str(root)}
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_JAX_SCRIPT)],
-        capture_output=True,
-        text=True,
-        cwd=root,
-        env=environment,
-        timeout=300,
-    )
-    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+    assert run("spectral_normalization_jax.py", backend="jax") == {"ok": True}

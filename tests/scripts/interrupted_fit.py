@@ -3,7 +3,8 @@
     python interrupted_fit.py kill BACKUP_DIR OUT_DIR    # SIGKILLs itself in epoch 2
     python interrupted_fit.py resume BACKUP_DIR OUT_DIR  # resumes; then trains anew
 
-Run under the backend in `KERAS_BACKEND`. `resume` writes every variable of
+Run under the backend in `KERAS_BACKEND`, with `tests/` importable
+(`backend_subprocess.script_env`). `resume` writes every variable of
 the resumed model (the centroid state included) and `optimizer.iterations`
 to `OUT_DIR/resumed.npz`, and the same of a model trained uninterrupted in
 the same process to `OUT_DIR/full.npz`.
@@ -13,12 +14,10 @@ import os
 import signal
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-from backend_subprocess import data  # noqa: E402
-from backend_subprocess import make_model  # noqa: E402
+import keras
+import numpy as np
+from backend_subprocess import data
+from backend_subprocess import make_model
 
 EPOCHS, KILL_EPOCH, KILL_BATCH = 3, 1, 3
 
