@@ -22,6 +22,7 @@ def make_model(
     classes=3,
     momentum=0.9,
     head="auto",
+    jit_compile="auto",
     **kwargs,
 ):
     """A small CNN with BatchNormalization and a DUQ head, compiled with momentum SGD."""
@@ -42,7 +43,9 @@ def make_model(
     model = keras_duq.DUQModel(
         inputs, outputs, gradient_penalty=gradient_penalty, **kwargs
     )
-    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=momentum))
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.05, momentum=momentum), jit_compile=jit_compile
+    )
     return model
 
 

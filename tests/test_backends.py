@@ -83,12 +83,16 @@ def test_fit_evaluate_predict_callbacks_and_keras_file(tmp_path, head):
         ("fractional", "fractional"),
         ("nan_input", "NaN"),
         ("overflow", "non-finite"),
+        ("wrong_one_hot_width", "label"),
     ],
 )
-def test_rejected_batch_changes_nothing(case, message):
+# XLA drops Assert ops silently: the checks must hold compiled and not.
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["no_jit", "jit"])
+def test_rejected_batch_changes_nothing(case, message, jit_compile):
     # Not a weight, centroid, optimizer slot or `optimizer.iterations`: a
-    # learning-rate schedule stays where it was.
-    model = _model()
+    # learning-rate schedule stays where it was. The overflow also overflows
+    # BatchNormalization's batch variance: its moving statistics must stay.
+    model = _model(jit_compile=jit_compile)
     x, y = _data(n=32)
     model.fit(x, y, batch_size=16, epochs=2, verbose=0)
     assert int(model.optimizer.iterations) == 4
@@ -98,6 +102,7 @@ def test_rejected_batch_changes_nothing(case, message):
         "fractional": (x, y + 0.5),
         "nan_input": (np.where(np.arange(32)[:, None, None, None] == 3, np.nan, x), y),
         "overflow": (x * 1e30, y),
+        "wrong_one_hot_width": (x, np.eye(5, dtype="float32")[y]),
     }[case]
     state = _state(model)
     with pytest.raises(_rejection_errors(), match=message):
