@@ -61,7 +61,6 @@ def _backend_trainer():
 _BackendTrainer = _backend_trainer()
 
 DEFAULT_GRADIENT_PENALTY = 0.1
-DEFAULT_WEIGHT_DECAY = 1e-4
 DEFAULT_CATEGORICAL_CROSS_ENTROPY_WEIGHT = 1.0
 DEFAULT_CLIPNORM = 1.0
 
@@ -193,11 +192,21 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
             always computes the penalty. Defaults to `1`, the paper's exact
             penalty on every step; docs/performance.md measures larger
             values.
-        weight_decay: float >= 0, coupled L2 weight decay on every trainable
-            weight, as in the paper: each gradient gets `+ weight_decay * w`
-            (the loss gets `weight_decay / 2 * sum ||w||^2`). This is
-            PyTorch SGD's `weight_decay`, not the decoupled `weight_decay` of
-            Keras optimizers. Defaults to `1e-4`, the paper's value.
+        weight_decay: float >= 0 or `None`, coupled L2 weight decay on
+            every trainable weight but embedding tables, as in the paper:
+            each gradient gets `+ weight_decay * w` (the loss gets
+            `weight_decay / 2 * sum ||w||^2`), PyTorch SGD's `weight_decay`.
+            `None` (default): `1e-4`, the paper's value, when the optimizer is
+            `keras.optimizers.SGD`, and `0` with any other optimizer. An
+            adaptive optimizer (Adam, RMSprop, ...) divides each gradient by
+            its running scale, so an L2 term decays the weights whose loss
+            gradients are small (rare tokens' embeddings, rarely seen
+            classes' projections) far more than the rest; decay them with the
+            optimizer's own decoupled `weight_decay` (e.g. `keras.optimizers.
+            AdamW`) instead (docs/text.md). The weights of
+            `keras.layers.Embedding` layers are never decayed here: a row
+            gets a gradient only from the batches that hold its token; give
+            an `Embedding` an `embeddings_regularizer` to decay it.
         bce_epsilon: float >= 0, floor of `K (1 - K)` in the denominator of
             the cross-entropy's gradient with respect to each kernel value
             `K`. `0` (default) gives the exact gradient. `1e-12` gives the
@@ -253,7 +262,7 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
         gradient_penalty: float = DEFAULT_GRADIENT_PENALTY,
         penalty: str = "two_sided",
         penalty_interval: int = 1,
-        weight_decay: float = DEFAULT_WEIGHT_DECAY,
+        weight_decay: float | None = None,
         bce_epsilon: float = 0.0,
         categorical_cross_entropy_weight: float | None = None,
         clipnorm: float | None = DEFAULT_CLIPNORM,
@@ -262,7 +271,8 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
         **kwargs: Any,
     ) -> None:
         check_non_negative("gradient_penalty", gradient_penalty)
-        check_non_negative("weight_decay", weight_decay)
+        if weight_decay is not None:
+            check_non_negative("weight_decay", weight_decay)
         check_non_negative("bce_epsilon", bce_epsilon)
         if categorical_cross_entropy_weight is not None:
             check_non_negative(
@@ -304,7 +314,7 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
         self.gradient_penalty = float(gradient_penalty)
         self.penalty = penalty
         self.penalty_interval = penalty_interval
-        self.weight_decay = float(weight_decay)
+        self.weight_decay = None if weight_decay is None else float(weight_decay)
         self.bce_epsilon = float(bce_epsilon)
         if categorical_cross_entropy_weight is None:
             categorical_cross_entropy_weight = default_categorical_cross_entropy_weight(

@@ -104,28 +104,22 @@ class JAXTrainer(_trainer.Trainer):
 
         def gradients_and_losses(trainable, with_penalty=True):
             def loss(trainable):
-                total, (log_kernel, penalty, bce, new_non_trainable) = (
-                    _trainer.objective(
-                        self._forward(trainable, non_trainable, training=True),
-                        self.input_gradients,
-                        x,
-                        labels_one_hot,
-                        sample_weight,
-                        trainable,
-                        self._objective_settings(
-                            training=True, with_penalty=with_penalty
-                        ),
-                        scale,
-                    )
+                total, (values, new_non_trainable) = self._stateless_objective(
+                    (trainable, non_trainable),
+                    _trainer.Batch(x, y, labels_one_hot, sample_weight),
+                    training=True,
+                    with_penalty=with_penalty,
+                    scale=scale,
                 )
-                if penalty is None and self._lazy_penalty:
+                if values.penalty is None and self._lazy_penalty:
                     # `lax.cond`'s branches return the same structure.
-                    penalty = jnp.zeros(log_kernel.shape[:1], "float32")
+                    zeros = jnp.zeros(values.log_kernel.shape[:1], "float32")
+                    values = values._replace(penalty=zeros)
                 with keras.StatelessScope(
                     state_mapping=list(zip(optimizer.variables, optimizer_variables))
                 ):
                     scaled = optimizer.scale_loss(total)
-                return scaled, (total, bce, log_kernel, penalty, new_non_trainable)
+                return scaled, (values, new_non_trainable)
 
             gradients, aux = jax.grad(loss, has_aux=True)(trainable)
             return self._clipped(gradients, scale), aux
@@ -136,23 +130,21 @@ class JAXTrainer(_trainer.Trainer):
                 _index(optimizer.variables, optimizer.iterations)
             ]
             penalised = self._is_penalty_step(iterations)
-            gradients, (total, bce, log_kernel, penalty, new_non_trainable) = (
-                jax.lax.cond(
-                    penalised,
-                    lambda trainable: gradients_and_losses(trainable, True),
-                    lambda trainable: gradients_and_losses(trainable, False),
-                    trainable,
-                )
+            gradients, (values, new_non_trainable) = jax.lax.cond(
+                penalised,
+                lambda trainable: gradients_and_losses(trainable, True),
+                lambda trainable: gradients_and_losses(trainable, False),
+                trainable,
             )
         else:
-            gradients, (total, bce, log_kernel, penalty, new_non_trainable) = (
-                gradients_and_losses(trainable)
-            )
+            gradients, (values, new_non_trainable) = gradients_and_losses(trainable)
         new_trainable, new_optimizer_variables = optimizer.stateless_apply(
             optimizer_variables, gradients, trainable
         )
         # Includes the statistics layers update in the forward pass (BatchNorm).
-        finite = _trainer.all_finite(gradients + [total] + list(new_non_trainable))
+        finite = _trainer.all_finite(
+            gradients + [values.objective] + list(new_non_trainable)
+        )
         if self._uses_loss_scale():
             # It skips such a step itself and lowers the loss scale; the
             # centroids and metrics then stay as they are too.
@@ -175,7 +167,7 @@ class JAXTrainer(_trainer.Trainer):
         new_metrics_variables, logs = self._updated_metrics(
             metrics_variables,
             _trainer.Batch(x, y, labels_one_hot, sample_weight),
-            _trainer.StepValues(total, log_kernel, penalty, bce),
+            values,
             code,
             penalised,
         )
@@ -188,23 +180,35 @@ class JAXTrainer(_trainer.Trainer):
         )
         return logs, state
 
+    def _stateless_objective(
+        self, variables, batch, training, with_penalty=True, scale=None
+    ):
+        """`_trainer.objective` on `(trainable, non_trainable)` values."""
+        trainable, non_trainable = variables
+        return _trainer.objective(
+            self._forward(trainable, non_trainable, training=training),
+            self.input_gradients,
+            batch.x,
+            batch.labels_one_hot,
+            batch.sample_weight,
+            trainable,
+            self._objective_settings(training=training, with_penalty=with_penalty),
+            scale,
+        )
+
     def test_step(self, state, data):
         trainable, non_trainable, metrics_variables = state
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         x, labels_one_hot, sample_weight, code = self._check_batch(x, y, sample_weight)
-        total, (log_kernel, penalty, bce, _) = _trainer.objective(
-            self._forward(trainable, non_trainable, training=False),
-            self.input_gradients,
-            x,
-            labels_one_hot,
-            sample_weight,
-            trainable,
-            self._objective_settings(training=False),
+        _, (values, _) = self._stateless_objective(
+            (trainable, non_trainable),
+            _trainer.Batch(x, y, labels_one_hot, sample_weight),
+            training=False,
         )
         new_metrics_variables, logs = self._updated_metrics(
             metrics_variables,
             _trainer.Batch(x, y, labels_one_hot, sample_weight),
-            _trainer.StepValues(total, log_kernel, penalty, bce),
+            values,
             code,
         )
         ok = (code == 0) & (self._previous_error(metrics_variables) == 0)

@@ -349,6 +349,7 @@ def coupled_weight_decay_loss(
     weights: Iterable[Tensor],
     weight_decay: float | Tensor,
     rates: Sequence[float] = (),
+    decayed: Sequence[bool] = (),
 ) -> Tensor:
     """`weight_decay / 2 * sum ||w||^2` over `weights`.
 
@@ -356,10 +357,16 @@ def coupled_weight_decay_loss(
     the coupled L2 weight decay of the paper (PyTorch's SGD `weight_decay`),
     which is not the decoupled `weight_decay` of Keras optimizers. `rates`
     (one per weight; 1.0 where missing): a weight stored for `rate_scaled`
-    decays as the weight it stands for.
+    decays as the weight it stands for. `decayed` (one per weight; True
+    where missing): a weight marked False gets no term at all, so its
+    gradient stays as the loss gives it (a sparse one stays sparse).
     """
     total = ops.zeros((), dtype="float32")
-    for weight, rate in zip(weights, itertools.chain(rates, itertools.repeat(1.0))):
+    rates = itertools.chain(rates, itertools.repeat(1.0))
+    decayed = itertools.chain(decayed, itertools.repeat(True))
+    for weight, rate, decays in zip(weights, rates, decayed):
+        if not decays:
+            continue
         weight = rate_scaled(weight, rate)
         total = total + ops.sum(ops.square(ops.cast(weight, "float32")))
     return 0.5 * weight_decay * total

@@ -34,6 +34,7 @@ import tensorflow as tf
 from keras import ops
 
 from keras_duq import _compat
+from keras_duq import _data_feeding
 from keras_duq import _moments
 from keras_duq import _trainer
 from keras_duq._tensorflow_batch import labels_to_one_hot
@@ -91,7 +92,7 @@ class TensorFlowTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
 
         def gradients_and_losses(x, labels_one_hot, sample_weight, with_penalty=True):
             with tf.GradientTape() as tape:
-                total, (log_kernel, penalty, bce, _) = self._own_objective(
+                total, (values, _) = self._own_objective(
                     _trainer.Batch(x, y, labels_one_hot, sample_weight),
                     training=True,
                     weights=weights,
@@ -101,7 +102,7 @@ class TensorFlowTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
                 scaled = total / tf.distribute.get_strategy().num_replicas_in_sync
                 scaled = optimizer.scale_loss(scaled)
             gradients = tape.gradient(scaled, weights)
-            return gradients, log_kernel, penalty, total, bce
+            return gradients, values
 
         # Layers write state in the forward pass (BatchNormalization's moving
         # mean and variance), before the check can run: keep a copy, to put
@@ -111,17 +112,17 @@ class TensorFlowTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
         penalised = None
         if self._lazy_penalty:
             penalised = self._is_penalty_step(optimizer.iterations)
-            gradients, log_kernel, penalty, objective, bce = _lazy(
-                self, gradients_and_losses, penalised, weights
-            )(x, labels_one_hot, sample_weight)
+            gradients, values = _lazy(self, gradients_and_losses, penalised, weights)(
+                x, labels_one_hot, sample_weight
+            )
         else:
-            gradients, log_kernel, penalty, objective, bce = _maybe_xla(
-                self, gradients_and_losses
-            )(x, labels_one_hot, sample_weight)
+            gradients, values = _maybe_xla(self, gradients_and_losses)(
+                x, labels_one_hot, sample_weight
+            )
         gradients = self._clipped_as_one_batch(gradients)
         finite = _trainer.all_finite(
             gradients
-            + [objective]
+            + [values.objective]
             + [tf.identity(variable) for variable in layer_state]
         )
         restored = _restore_unless(finite, layer_state, saved)
@@ -159,7 +160,7 @@ class TensorFlowTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
             applied,
             lambda: self._update_duq_metrics(
                 _trainer.Batch(x, y, labels_one_hot, sample_weight),
-                _trainer.StepValues(objective, log_kernel, penalty, bce),
+                values,
                 penalised,
             ),
         )
@@ -169,24 +170,21 @@ class TensorFlowTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         x, labels_one_hot, sample_weight, _ = self._validated_batch(x, y, sample_weight)
 
-        def losses(x, labels_one_hot, sample_weight):
-            total, (log_kernel, penalty, bce, _) = self._own_objective(
+        def step_values(x, labels_one_hot, sample_weight):
+            _, (values, _) = self._own_objective(
                 _trainer.Batch(x, y, labels_one_hot, sample_weight), training=False
             )
-            return log_kernel, penalty, total, bce
+            return values
 
-        log_kernel, penalty, objective, bce = _maybe_xla(self, losses)(
-            x, labels_one_hot, sample_weight
-        )
+        values = _maybe_xla(self, step_values)(x, labels_one_hot, sample_weight)
         self._update_duq_metrics(
-            _trainer.Batch(x, y, labels_one_hot, sample_weight),
-            _trainer.StepValues(objective, log_kernel, penalty, bce),
+            _trainer.Batch(x, y, labels_one_hot, sample_weight), values
         )
         return self._logs()
 
     @staticmethod
     def prepare_arguments(method, arguments):
-        return quiet_array_inputs(method, arguments)
+        return _data_feeding.quiet_array_inputs(method, arguments)
 
     def _validated_batch(self, x, y, sample_weight):
         """`(x, labels_one_hot, sample_weight, checks)`: the checks as graph ops.
@@ -284,67 +282,6 @@ class TensorFlowTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
         return logs
 
 
-def quiet_array_inputs(method, arguments):
-    """`fit`/`evaluate`/`predict` arguments, in-memory arrays fed without autotuning.
-
-    Keras feeds arrays through a `tf.data` pipeline with autotuning on, and
-    dropping such an iterator before its end, as `fit` does after each
-    epoch's last step, sometimes waits for the autotuning thread's next
-    wake-up: up to a minute. Measured, a whole `fit` took 1.9-2.0x the sum of
-    its steps (docs/performance.md). The same pipeline with autotuning off
-    gives the same batches without the wait. `arguments` maps every parameter
-    name of the Keras method to its value; datasets, generators and other
-    inputs pass through unchanged.
-    """
-    arguments = dict(arguments)
-    x, y, weights = (arguments.get(k) for k in ("x", "y", "sample_weight"))
-    if not _compat.is_array_data(x, y, weights):
-        return arguments
-    if method == "predict":
-        arguments["x"] = _compat.array_dataset(
-            x, batch_size=arguments["batch_size"], steps=arguments["steps"]
-        )
-        arguments["batch_size"] = None
-        return arguments
-    if method == "evaluate":
-        arguments["x"] = _compat.array_dataset(
-            x, y, weights, batch_size=arguments["batch_size"], steps=arguments["steps"]
-        )
-        arguments.update(y=None, sample_weight=None, batch_size=None)
-        return arguments
-    if arguments["validation_split"] and arguments["validation_data"] is None:
-        (x, y, weights), validation = _compat.split_validation(
-            (x, y, weights), arguments["validation_split"]
-        )
-        arguments.update(validation_data=validation, validation_split=0.0)
-    validation = arguments["validation_data"]
-    if validation is not None:
-        val_x, val_y, val_weights = keras.utils.unpack_x_y_sample_weight(validation)
-        if _compat.is_array_data(val_x, val_y, val_weights):
-            arguments["validation_data"] = _compat.array_dataset(
-                val_x,
-                val_y,
-                val_weights,
-                batch_size=arguments["validation_batch_size"]
-                or arguments["batch_size"],
-                steps=arguments["validation_steps"],
-            )
-            arguments["validation_batch_size"] = None
-    arguments["x"] = _compat.array_dataset(
-        x,
-        y,
-        weights,
-        batch_size=arguments["batch_size"],
-        steps=arguments["steps_per_epoch"],
-        shuffle=arguments["shuffle"],
-        class_weight=arguments["class_weight"],
-    )
-    arguments.update(
-        y=None, sample_weight=None, class_weight=None, batch_size=None, shuffle=False
-    )
-    return arguments
-
-
 def _lazy(model, gradients_and_losses, penalised, weights):
     """`gradients_and_losses` with the penalty only where `penalised` is true.
 
@@ -356,7 +293,7 @@ def _lazy(model, gradients_and_losses, penalised, weights):
 
     def branch(with_penalty):
         def run(x, labels_one_hot, sample_weight):
-            gradients, log_kernel, penalty, objective, bce = gradients_and_losses(
+            gradients, values = gradients_and_losses(
                 x, labels_one_hot, sample_weight, with_penalty
             )
             missing.append([g is None for g in gradients])
@@ -364,9 +301,12 @@ def _lazy(model, gradients_and_losses, penalised, weights):
                 tf.zeros_like(w) if g is None else tf.convert_to_tensor(g)
                 for g, w in zip(gradients, weights)
             ]
-            if penalty is None:
-                penalty = tf.zeros(tf.shape(log_kernel)[:1], dtype=objective.dtype)
-            return gradients, log_kernel, penalty, objective, bce
+            if values.penalty is None:
+                zeros = tf.zeros(
+                    tf.shape(values.log_kernel)[:1], values.objective.dtype
+                )
+                values = values._replace(penalty=zeros)
+            return gradients, values
 
         return _maybe_xla(model, run)
 

@@ -77,7 +77,7 @@ class TorchTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
         saved = _copies(layer_state)
         scale = self._input_gradient_scale()
         with torch.enable_grad():
-            total, (log_kernel, penalty, bce, _) = self._own_objective(
+            total, (step_values, _) = self._own_objective(
                 batch, training=True, weights=values, with_penalty=penalised
             )
             gradients = torch.autograd.grad(
@@ -107,22 +107,16 @@ class TorchTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
                 self._raise(_trainer.NON_FINITE_CENTROIDS)
             self.duq_output.centroid_counts.assign(counts)
             self.duq_output.centroid_sums.assign(sums)
-            self._update_duq_metrics(
-                batch, _detached(_trainer.StepValues(total, log_kernel, penalty, bce))
-            )
+            self._update_duq_metrics(batch, _detached(step_values))
         return self.get_metrics_result()
 
     def test_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         x, labels_one_hot, sample_weight, _ = self._checked_batch(x, y, sample_weight)
         batch = _trainer.Batch(x, y, labels_one_hot, sample_weight)
-        total, (log_kernel, penalty, bce, _) = self._own_objective(
-            batch, training=False
-        )
+        _, (step_values, _) = self._own_objective(batch, training=False)
         with torch.no_grad():
-            self._update_duq_metrics(
-                batch, _detached(_trainer.StepValues(total, log_kernel, penalty, bce))
-            )
+            self._update_duq_metrics(batch, _detached(step_values))
         return self.get_metrics_result()
 
     # Prediction runs eagerly too (the steps: `UncompiledSteps`), so that a

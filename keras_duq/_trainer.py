@@ -58,6 +58,11 @@ BATCH_ERRORS = (LABEL_RANGE, FRACTIONAL_LABEL, NON_FINITE_INPUT)
 ALL_ERRORS = BATCH_ERRORS + (NON_FINITE_STEP, NON_FINITE_CENTROIDS)
 
 
+# The paper's coupled weight decay, which a model's `weight_decay=None`
+# applies under SGD (`Trainer._weight_decay_in_effect`).
+SGD_WEIGHT_DECAY = 1e-4
+
+
 def error_message(code: int, num_classes: int) -> str:
     """The message of a non-zero error code."""
     return {
@@ -84,6 +89,9 @@ class ObjectiveSettings:
     # Per trainable weight, the rate of `_ops.rate_scaled` it is used with
     # (the head's projection), so that weight decay acts on what it stands for.
     rates: tuple[float, ...] = ()
+    # Per trainable weight, whether weight decay applies to it (all where
+    # empty): not to embedding tables (`Trainer._decayed`).
+    decayed: tuple[bool, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,10 +198,11 @@ def objective(
             the scale.
 
     Returns:
-        `(objective, (log_kernel, penalty, bce, state))`: the scalar
-        objective (cross-entropy + weighted penalty + weight decay), the log
-        kernel values, the per-example penalty (`None` without one), the
-        cross-entropy part and `forward`'s state.
+        `(objective, (values, state))`: the scalar objective (cross-entropy +
+        weighted penalty + weight decay), the `StepValues` the metrics take
+        (the objective again, the log kernel values, the per-example penalty,
+        `None` without one, and the cross-entropy part) and `forward`'s
+        state.
     """
     if settings.penalty is None:
         log_kernel, state = forward(x)
@@ -216,10 +225,12 @@ def objective(
         settings.bce_epsilon,
         settings.categorical_cross_entropy_weight,
     )
-    total = loss + _ops.coupled_weight_decay_loss(
-        weights, settings.weight_decay, settings.rates
-    )
-    return total, (log_kernel, penalty, bce, state)
+    total = loss
+    if settings.weight_decay:
+        total = total + _ops.coupled_weight_decay_loss(
+            weights, settings.weight_decay, settings.rates, settings.decayed
+        )
+    return total, (StepValues(total, log_kernel, penalty, bce), state)
 
 
 def log_kernel_and_penalty(
@@ -381,7 +392,7 @@ class DUQModelAttributes(Protocol):
     penalty: str
     penalty_interval: int
     penalty_input: str | None
-    weight_decay: float
+    weight_decay: float | None
     bce_epsilon: float
     categorical_cross_entropy_weight: float
     clipnorm: float | None
@@ -438,11 +449,12 @@ class Trainer:
         return ObjectiveSettings(
             penalty=self.penalty if penalised else None,
             penalty_weight=weight,
-            weight_decay=self.weight_decay,
+            weight_decay=self._weight_decay_in_effect(),
             bce_epsilon=self.bce_epsilon,
             categorical_cross_entropy_weight=self.categorical_cross_entropy_weight,
             penalty_input=self.penalty_input is not None,
             rates=self._weight_rates(),
+            decayed=self._decayed(),
         )
 
     def _weight_rates(self):
@@ -454,6 +466,35 @@ class Trainer:
             head.projection_learning_rate if weight is head.kernel else 1.0
             for weight in self.trainable_weights
         )
+
+    def _weight_decay_in_effect(self):
+        """The model's `weight_decay`; for `None`, the paper's under SGD, else 0."""
+        if self.weight_decay is not None:
+            return self.weight_decay
+        optimizer = getattr(self.optimizer, "inner_optimizer", self.optimizer)
+        if isinstance(optimizer, keras.optimizers.SGD):
+            return SGD_WEIGHT_DECAY
+        return 0.0
+
+    def _decayed(self):
+        """`ObjectiveSettings.decayed`: every trainable weight but embedding tables.
+
+        A row of an embedding table gets a gradient only from the batches
+        whose inputs hold its token. Coupled decay would give every row one
+        on every step, which an adaptive optimizer (Adam) scales up to a
+        step of about its full learning rate towards zero: the rows of rare
+        tokens were erased between their occurrences, and the table's
+        sparse gradient became a dense one (docs/text.md).
+        """
+        embeddings = {
+            id(weight)
+            for layer in _compat.all_layers(self)
+            if isinstance(layer, keras.layers.Embedding)
+            for weight in layer.trainable_weights
+        }
+        if not embeddings:
+            return ()
+        return tuple(id(weight) not in embeddings for weight in self.trainable_weights)
 
     def _clipped(self, gradients, loss_scale=None):
         """`gradients` clipped to the model's `clipnorm` (see `DUQModel`).

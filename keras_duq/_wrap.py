@@ -10,7 +10,6 @@ import keras
 
 from keras_duq._duq_model import DEFAULT_CLIPNORM
 from keras_duq._duq_model import DEFAULT_GRADIENT_PENALTY
-from keras_duq._duq_model import DEFAULT_WEIGHT_DECAY
 from keras_duq._duq_model import DUQModel
 from keras_duq._duq_output import DEFAULT_KERNEL_INITIALIZER
 from keras_duq._duq_output import DEFAULT_PROJECTION_LEARNING_RATE
@@ -19,7 +18,8 @@ from keras_duq._duq_output import DUQOutput
 
 # The paper's method where the library's defaults differ from it: the loss
 # without the categorical term, `W` learning at the optimizer's rate, and
-# gradients as they are (not clipped). The
+# gradients as they are (not clipped). The paper trained with SGD, under
+# which the default weight decay is the paper's. The
 # paper's problem-specific values (length scale, penalty weight, centroid size)
 # stay arguments of their own.
 PAPER_SETTINGS = types.MappingProxyType(
@@ -44,7 +44,7 @@ def wrap(
     gradient_penalty: float = DEFAULT_GRADIENT_PENALTY,
     penalty: str = "two_sided",
     penalty_interval: int = 1,
-    weight_decay: float = DEFAULT_WEIGHT_DECAY,
+    weight_decay: float | None = None,
     bce_epsilon: float = 0.0,
     categorical_cross_entropy_weight: float | None = None,
     trainable_length_scale: bool = False,
@@ -112,8 +112,11 @@ def wrap(
         penalty_interval: int >= 1, compute the penalty on every
             `penalty_interval`-th step only, weighted by `penalty_interval`
             there (see `DUQModel`). Defaults to `1`: every step.
-        weight_decay: float >= 0, coupled L2 weight decay (each gradient gets
-            `+ weight_decay * w`). Defaults to `1e-4`, as in the paper.
+        weight_decay: float >= 0 or `None`, coupled L2 weight decay (each
+            gradient gets `+ weight_decay * w`) on every weight but embedding
+            tables. `None` (default): the paper's `1e-4` under
+            `keras.optimizers.SGD`, `0` under any other optimizer, which
+            decays with its own `weight_decay` (see `DUQModel`).
         bce_epsilon: float >= 0, floor of `K (1 - K)` in the cross-entropy
             gradient's denominator; `0` (default) is the exact gradient,
             `1e-12` that of the paper's PyTorch code (see `DUQModel`).

@@ -302,9 +302,7 @@ def make_dataset(
     try:
         import tensorflow as tf  # tf.data serves every backend's `fit`
     except ImportError:
-        return _ArrayBatches(
-            x, y, batch_size, shuffle=shuffle, seed=seed, repeat=repeat
-        )
+        return _ArrayBatches((x, y), batch_size, (shuffle, seed, repeat))
 
     dataset = tf.data.Dataset.from_tensor_slices(x if y is None else (x, y))
     if cache:
@@ -331,13 +329,12 @@ class _ArrayBatches(keras.utils.PyDataset):
 
     def __init__(
         self,
-        x: ArrayLike,
-        y: ArrayLike | None = None,
-        batch_size: int = 128,
-        shuffle: bool = False,
-        seed: int | None = None,
-        repeat: bool = False,
+        arrays: tuple[ArrayLike, ArrayLike | None],
+        batch_size: int,
+        order: tuple[bool, int | None, bool],
     ) -> None:
+        x, y = arrays
+        shuffle, seed, repeat = order  # `make_dataset`'s arguments, checked there
         super().__init__()
         self.x, self.y = np.asarray(x), None if y is None else np.asarray(y)
         if not len(self.x):

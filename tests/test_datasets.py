@@ -198,7 +198,7 @@ def test_array_batches_pair_reshuffle_and_repeat_without_tensorflow():
     # tests/test_jax_backend.py for that path end to end).
     x = np.arange(10, dtype="float32")[:, None]
     y = np.arange(10)
-    ordered = keras_duq.datasets._ArrayBatches(x, y, batch_size=4)
+    ordered = keras_duq.datasets._ArrayBatches((x, y), 4, (False, None, False))
     assert ordered.num_batches == len(ordered) == 3
     assert [ordered[i][1].tolist() for i in range(3)] == [
         [0, 1, 2, 3],
@@ -212,9 +212,7 @@ def test_array_batches_pair_reshuffle_and_repeat_without_tensorflow():
             np.testing.assert_array_equal(x_batch[:, 0], y_batch)  # still paired
         return np.concatenate([b[1] for b in batches])
 
-    shuffled = keras_duq.datasets._ArrayBatches(
-        x, y, batch_size=4, shuffle=True, seed=1
-    )
+    shuffled = keras_duq.datasets._ArrayBatches((x, y), 4, (True, 1, False))
     first = one_pass(shuffled)
     assert sorted(first.tolist()) == list(range(10))
     np.testing.assert_array_equal(one_pass(shuffled), first)  # one order per pass
@@ -222,13 +220,11 @@ def test_array_batches_pair_reshuffle_and_repeat_without_tensorflow():
     second = one_pass(shuffled)
     assert sorted(second.tolist()) == list(range(10))
     assert not np.array_equal(first, second)
-    again = keras_duq.datasets._ArrayBatches(x, y, batch_size=4, shuffle=True, seed=1)
+    again = keras_duq.datasets._ArrayBatches((x, y), 4, (True, 1, False))
     np.testing.assert_array_equal(one_pass(again), first)  # seeded
 
     # Endless: batch i is batch i % 3 of pass i // 3; epochs do not restart it.
-    endless = keras_duq.datasets._ArrayBatches(
-        x, y, batch_size=4, shuffle=True, seed=1, repeat=True
-    )
+    endless = keras_duq.datasets._ArrayBatches((x, y), 4, (True, 1, True))
     assert endless.num_batches is None
     np.testing.assert_array_equal(one_pass(endless), first)
     endless.on_epoch_end()
@@ -236,4 +232,6 @@ def test_array_batches_pair_reshuffle_and_repeat_without_tensorflow():
     with pytest.raises(TypeError, match="steps_per_epoch"):
         len(endless)
     with pytest.raises(ValueError, match="at least one example"):
-        keras_duq.datasets._ArrayBatches(np.zeros((0, 2)))
+        keras_duq.datasets._ArrayBatches(
+            (np.zeros((0, 2)), None), 4, (False, None, False)
+        )

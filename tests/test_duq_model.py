@@ -108,7 +108,7 @@ def _reference_loss(model, x, y, sample_weight=None):
         per_example = per_example * sample_weight
     decay = (
         0.5
-        * model.weight_decay
+        * model._weight_decay_in_effect()
         * sum(float(np.sum(w**2)) for w, _ in _decayed_weights(model))
     )
     return float(np.mean(per_example)) + decay
@@ -199,6 +199,37 @@ def test_coupled_weight_decay_adds_weight_decay_times_weight():
         # Plain SGD, lr 1: the only difference is -lr * weight_decay * w0, which
         # W takes at its rate.
         np.testing.assert_allclose(a - b, -0.01 * r * w0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "optimizer, decay",
+    [
+        (lambda: keras.optimizers.SGD(0.5), 1e-4),
+        (lambda: keras.optimizers.SGD(0.5, momentum=0.9), 1e-4),
+        (lambda: keras.optimizers.Adam(0.01), 0.0),
+        (lambda: keras.optimizers.RMSprop(0.01), 0.0),
+    ],
+)
+def test_default_weight_decay_is_the_papers_under_sgd_and_none_otherwise(
+    optimizer, decay
+):
+    x, y = _data()
+    trained = []
+    for weight_decay in (None, decay):
+        model = _model(weight_decay=weight_decay, gradient_penalty=0.0)
+        model.compile(optimizer=optimizer())
+        model.train_on_batch(x, y)
+        trained.append([keras.ops.convert_to_numpy(w) for w in model.weights])
+    for default, explicit in zip(*trained):
+        np.testing.assert_array_equal(default, explicit)
+    # And the decay is real where it applies: an explicit one differs.
+    model = _model(weight_decay=0.5, gradient_penalty=0.0)
+    model.compile(optimizer=optimizer())
+    model.train_on_batch(x, y)
+    assert not all(
+        np.array_equal(keras.ops.convert_to_numpy(w), t)
+        for w, t in zip(model.weights, trained[0])
+    )
 
 
 def test_bce_epsilon_stops_the_pull_of_far_centroids():

@@ -376,9 +376,7 @@ def test_callback_with_py_datasets_matches_arrays():
     for in_distribution in (
         _Batches(x_test, y_test),
         # What `make_dataset` returns without TensorFlow, shuffled.
-        keras_duq.datasets._ArrayBatches(
-            x_test, y_test, batch_size=32, shuffle=True, seed=0
-        ),
+        keras_duq.datasets._ArrayBatches((x_test, y_test), 32, (True, 0, False)),
     ):
         from_batches = keras_duq.callbacks.OODEvaluation(
             in_distribution, _Batches(x_ood)
@@ -388,7 +386,7 @@ def test_callback_with_py_datasets_matches_arrays():
             from_arrays.evaluate(), nan_ok=True
         )
 
-    endless = keras_duq.datasets._ArrayBatches(x_ood, repeat=True)
+    endless = keras_duq.datasets._ArrayBatches((x_ood, None), 128, (False, None, True))
     with pytest.raises(ValueError, match="endless"):
         keras_duq.callbacks.OODEvaluation(x_test, endless)
 

@@ -39,10 +39,10 @@ def _value_and_gradients(function, *inputs):
 
         inputs = [x.requires_grad_() for x in inputs]
         value = function(*inputs)
-        gradients = torch.autograd.grad(value, inputs)
+        gradients = torch.autograd.grad(value, inputs, allow_unused=True)
         value = value.detach()
     numpy = keras.ops.convert_to_numpy
-    return numpy(value), [numpy(g) for g in gradients]
+    return numpy(value), [None if g is None else numpy(g) for g in gradients]
 
 
 def test_squared_distances_is_mean_over_centroid_dims():
@@ -295,6 +295,15 @@ def test_coupled_weight_decay_gradient_is_weight_decay_times_weight():
     )
     for weight, gradient in zip(weights, gradients):
         np.testing.assert_allclose(gradient, 1e-4 * weight, rtol=1e-6)
+    # A weight left out (an embedding table) gets no term: its gradient is 0.
+    value, gradients = _value_and_gradients(
+        lambda *w: _ops.coupled_weight_decay_loss(list(w), 1e-4, (), (True, False)),
+        *weights,
+    )
+    np.testing.assert_allclose(value, 0.5e-4 * 5.0, rtol=1e-6)
+    np.testing.assert_allclose(gradients[0], 1e-4 * weights[0], rtol=1e-6)
+    # (no gradient at all where the backend says so: TensorFlow's None)
+    assert gradients[1] is None or not np.any(gradients[1])
 
 
 def test_clipped_by_norm_scales_long_gradients_to_the_bound():

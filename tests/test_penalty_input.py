@@ -128,6 +128,28 @@ def test_token_model_trains_and_its_penalty_changes():
     assert not np.allclose(ops.convert_to_numpy(model.trainable_weights[0]), embeddings)
 
 
+def test_weight_decay_leaves_the_rows_of_absent_tokens_alone():
+    # Coupled decay would give every embedding row a gradient on every step,
+    # which Adam turns into a step of about its learning rate; the rows of
+    # tokens that no batch holds must keep their values, the others decay.
+    model = _model(weight_decay=0.5)
+    model.compile(optimizer=keras.optimizers.Adam(0.01))
+    x, y = _tokens(n=32)
+    x = np.where(x >= VOCABULARY // 2, 1, x).astype("int32")  # half the ids absent
+    y = (x[:, 0] > 2).astype("int32")
+    weights = [ops.convert_to_numpy(w).copy() for w in model.trainable_weights]
+    model.train_on_batch(x, y)
+    after = [ops.convert_to_numpy(w) for w in model.trainable_weights]
+    absent = np.setdiff1d(np.arange(VOCABULARY), x)
+    assert model.trainable_weights[0].path.endswith("embeddings")
+    np.testing.assert_array_equal(after[0][absent], weights[0][absent])
+    present = np.unique(x)
+    assert not np.allclose(after[0][present], weights[0][present])
+    # Every other weight still decays: with an enormous decay each moves.
+    for before, now in zip(weights[1:], after[1:]):
+        assert not np.allclose(before, now)
+
+
 def _functional_model(**kwargs):
     """The Embedding layer in the DUQ model's own graph, not in a nested backbone."""
     tokens = keras.Input((LENGTH,), dtype="int32", name="tokens")
