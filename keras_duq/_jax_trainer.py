@@ -99,6 +99,7 @@ class JAXTrainer(_trainer.Trainer):
         trainable, non_trainable, optimizer_variables, metrics_variables = state
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         x, labels_one_hot, sample_weight, code = self._check_batch(x, y, sample_weight)
+        batch = _trainer.Batch(x, y, labels_one_hot, sample_weight)
         optimizer = self.optimizer
         scale = self._input_gradient_scale(optimizer_variables)
 
@@ -106,7 +107,7 @@ class JAXTrainer(_trainer.Trainer):
             def loss(trainable):
                 total, (values, new_non_trainable) = self._stateless_objective(
                     (trainable, non_trainable),
-                    _trainer.Batch(x, y, labels_one_hot, sample_weight),
+                    batch,
                     training=True,
                     with_penalty=with_penalty,
                     scale=scale,
@@ -166,7 +167,7 @@ class JAXTrainer(_trainer.Trainer):
         commit = ok & applied
         new_metrics_variables, logs = self._updated_metrics(
             metrics_variables,
-            _trainer.Batch(x, y, labels_one_hot, sample_weight),
+            batch,
             values,
             code,
             penalised,
@@ -200,14 +201,13 @@ class JAXTrainer(_trainer.Trainer):
         trainable, non_trainable, metrics_variables = state
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         x, labels_one_hot, sample_weight, code = self._check_batch(x, y, sample_weight)
+        batch = _trainer.Batch(x, y, labels_one_hot, sample_weight)
         _, (values, _) = self._stateless_objective(
-            (trainable, non_trainable),
-            _trainer.Batch(x, y, labels_one_hot, sample_weight),
-            training=False,
+            (trainable, non_trainable), batch, training=False
         )
         new_metrics_variables, logs = self._updated_metrics(
             metrics_variables,
-            _trainer.Batch(x, y, labels_one_hot, sample_weight),
+            batch,
             values,
             code,
         )

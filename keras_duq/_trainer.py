@@ -471,8 +471,7 @@ class Trainer:
         """The model's `weight_decay`; for `None`, the paper's under SGD, else 0."""
         if self.weight_decay is not None:
             return self.weight_decay
-        optimizer = getattr(self.optimizer, "inner_optimizer", self.optimizer)
-        if isinstance(optimizer, keras.optimizers.SGD):
+        if isinstance(self._inner_optimizer(), keras.optimizers.SGD):
             return SGD_WEIGHT_DECAY
         return 0.0
 
@@ -486,15 +485,31 @@ class Trainer:
         tokens were erased between their occurrences, and the table's
         sparse gradient became a dense one (docs/text.md).
         """
-        embeddings = {
-            id(weight)
-            for layer in _compat.all_layers(self)
-            if isinstance(layer, keras.layers.Embedding)
-            for weight in layer.trainable_weights
-        }
+        embeddings = self._embedding_weight_ids()
         if not embeddings:
             return ()
         return tuple(id(weight) not in embeddings for weight in self.trainable_weights)
+
+    def _embedding_weight_ids(self):
+        """Ids of the embedding tables' weights, found once the model is built.
+
+        PyTorch's eager step asks on every step; the layers do not change.
+        """
+        ids = self.__dict__.get("_embedding_ids")  # not a tracked attribute
+        if ids is None:
+            ids = frozenset(
+                id(weight)
+                for layer in _compat.all_layers(self)
+                if isinstance(layer, keras.layers.Embedding)
+                for weight in layer.weights
+            )
+            if self.built:
+                self.__dict__["_embedding_ids"] = ids
+        return ids
+
+    def _inner_optimizer(self):
+        """The optimizer, or the one a `LossScaleOptimizer` wraps."""
+        return getattr(self.optimizer, "inner_optimizer", self.optimizer)
 
     def _clipped(self, gradients, loss_scale=None):
         """`gradients` clipped to the model's `clipnorm` (see `DUQModel`).
@@ -512,7 +527,7 @@ class Trainer:
 
     def _clipnorm_in_effect(self):
         """The model's `clipnorm`, or `None` where the optimizer clips itself."""
-        optimizer = getattr(self.optimizer, "inner_optimizer", self.optimizer)
+        optimizer = self._inner_optimizer()
         if any(
             getattr(optimizer, name, None) is not None
             for name in ("clipnorm", "global_clipnorm", "clipvalue")
