@@ -8,9 +8,8 @@ import keras
 from keras import ops
 
 from keras_duq import _ops
-from keras_duq import _trainer
+from keras_duq import _replicas
 from keras_duq._typing import Tensor
-from keras_duq._validation import NON_FINITE_CENTROID_MESSAGE
 from keras_duq._validation import check_int
 from keras_duq._validation import check_positive
 
@@ -348,32 +347,62 @@ class DUQOutput(keras.layers.Layer):
     def call(self, inputs: Tensor) -> Tensor:
         return ops.exp(self.log_kernel_values(inputs))
 
-    def update_centroids(self, features: Tensor, labels_one_hot: Tensor) -> None:
+    def update_centroids(self, features: Tensor, labels_one_hot: Tensor) -> Tensor:
         """One moving-average step of the centroid state on a batch.
 
         `DUQModel`'s training step does this once per step; call it yourself
         only in a custom training loop. Under a `tf.distribute` strategy the
         per-class counts and sums are summed over all replicas first, so the
         update uses the global batch and every replica keeps the same state.
-        An update that would not be finite raises instead of changing the
-        centroids (a ValueError; on TensorFlow, its `InvalidArgumentError`).
+        An update that would not be finite (features that overflow) is not
+        applied: the centroids keep their values, and the result says so.
 
         Args:
             features: `(batch, features)` backbone output, computed in
                 inference mode after the optimizer step.
             labels_one_hot: `(batch, num_classes)` one-hot labels.
-        """
-        if keras.backend.backend() == "tensorflow":
-            from keras_duq import _tensorflow_trainer
 
-            _tensorflow_trainer.assign_centroid_state(self, features, labels_one_hot)
-            return
-        counts, sums, finite = _trainer.centroid_update(self, features, labels_one_hot)
-        # Eager on JAX and PyTorch: check before assigning, as TensorFlow does.
-        if not bool(keras.ops.convert_to_numpy(finite)):
-            raise ValueError(NON_FINITE_CENTROID_MESSAGE)
-        self.centroid_counts.assign(counts)
-        self.centroid_sums.assign(sums)
+        Returns:
+            A scalar bool tensor: whether the update was finite and applied.
+            The caller decides what a refused update means (`DUQModel`
+            raises and puts its training step back).
+        """
+        counts, sums, finite = self._next_centroid_state(features, labels_one_hot)
+        # A select, not a Python `if`: the same code runs eagerly and inside
+        # a compiled TensorFlow step.
+        self.centroid_counts.assign(
+            ops.where(finite, counts, self.centroid_counts.value)
+        )
+        self.centroid_sums.assign(ops.where(finite, sums, self.centroid_sums.value))
+        return finite
+
+    def _next_centroid_state(
+        self, features: Tensor, labels_one_hot: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """The centroid state after one batch, without assigning it.
+
+        Reads the current state (the variables, or their values inside a
+        `keras.StatelessScope`, as JAX's training step runs it).
+
+        Args:
+            features: `(batch, features)` backbone output.
+            labels_one_hot: `(batch, num_classes)` one-hot labels.
+
+        Returns:
+            `(counts, sums, finite)`: the new `centroid_counts` and
+            `centroid_sums`, and a scalar bool tensor, whether both are finite.
+        """
+        counts, sums = _replicas.replica_sum(
+            *_ops.centroid_statistics(
+                self.embed(features), ops.cast(labels_one_hot, "float32")
+            )
+        )
+        counts = _ops.moving_average(self.centroid_counts.value, counts, self.momentum)
+        sums = _ops.moving_average(self.centroid_sums.value, sums, self.momentum)
+        finite = ops.logical_and(
+            ops.all(ops.isfinite(counts)), ops.all(ops.isfinite(sums))
+        )
+        return counts, sums, finite
 
     def compute_output_shape(self, input_shape: tuple) -> tuple:
         return (input_shape[0], self.num_classes)

@@ -318,8 +318,8 @@ class JAXTrainer(_trainer.Trainer):
         mapping = self._variable_mapping(trainable, non_trainable)
         with keras.StatelessScope(state_mapping=mapping):
             features = self.feature_extractor(x, training=False)
-            new_counts, new_sums, finite = _trainer.centroid_update(
-                layer, features, labels_one_hot
+            new_counts, new_sums, finite = layer._next_centroid_state(
+                features, labels_one_hot
             )
         updated = list(non_trainable)
         updated[_index(self.non_trainable_variables, layer.centroid_counts)] = (

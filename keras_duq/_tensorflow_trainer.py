@@ -329,28 +329,16 @@ def _lazy(model, gradients_and_losses, penalised, weights):
 
 
 def assign_centroid_state(layer, features, labels_one_hot, rollback=None):
-    """A `DUQOutput`'s centroid update on one batch, summed over replicas, checked.
+    """A `DUQOutput`'s centroid update on one batch, checked.
 
-    `rollback`: `(variables, values)` to assign back if the check fails.
+    The layer refuses a non-finite update (features that overflow, e.g.
+    unnormalised inputs, must not turn the centroids into Inf/NaN for good);
+    here that puts `rollback`, `(variables, values)`, back and raises.
     """
-    new_counts, new_sums, finite = _trainer.centroid_update(
-        layer, features, labels_one_hot, all_reduce=_all_reduce
-    )
+    finite = layer.update_centroids(features, labels_one_hot)
     restored = [] if rollback is None else [_restore_unless(finite, *rollback)]
-    # Features that overflow (e.g. unnormalised inputs) must not turn the
-    # centroids into Inf/NaN for good: check before assigning.
     with tf.control_dependencies(restored):
-        check = tf.debugging.Assert(finite, [NON_FINITE_CENTROID_MESSAGE])
-    with tf.control_dependencies([check]):
-        layer.centroid_counts.assign(new_counts)
-        layer.centroid_sums.assign(new_sums)
-
-
-def _all_reduce(counts, sums):
-    replica_context = tf.distribute.get_replica_context()
-    if replica_context is None or replica_context.num_replicas_in_sync == 1:
-        return counts, sums
-    return replica_context.all_reduce(tf.distribute.ReduceOp.SUM, [counts, sums])
+        tf.debugging.Assert(finite, [NON_FINITE_CENTROID_MESSAGE])
 
 
 def _maybe_xla(model, function):

@@ -99,14 +99,9 @@ class TorchTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
         with torch.no_grad():
             self.optimizer.apply(gradients, weights)
             features = self.feature_extractor(x, training=False)
-            counts, sums, finite = _trainer.centroid_update(
-                self.duq_output, features, labels_one_hot
-            )
-            if not bool(finite):
+            if not bool(self.duq_output.update_centroids(features, labels_one_hot)):
                 _assign(weights + optimizer_state + layer_state, before + saved)
                 self._raise(_trainer.NON_FINITE_CENTROIDS)
-            self.duq_output.centroid_counts.assign(counts)
-            self.duq_output.centroid_sums.assign(sums)
             self._update_duq_metrics(batch, _detached(step_values))
         return self.get_metrics_result()
 

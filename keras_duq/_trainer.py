@@ -8,9 +8,11 @@ Every backend's step is the same computation, written once here:
   (kernel values, cross-entropy, the penalty's input gradient, coupled L2
   weight decay), given the backend's forward pass and its way to take the
   penalty's input gradient (`InputGradients`: `GradientTape`, `jax.grad`,
-  `torch.autograd`);
-- `centroid_update`: the centroid state after one batch, and whether it is
-  finite.
+  `torch.autograd`).
+
+The centroid update is the layer's (`DUQOutput.update_centroids`, which
+refuses a non-finite update and says so); each trainer decides what a
+refused update means: the step is put back and the error raised.
 
 Each backend's part is a class (`TensorFlowTrainer`, `JAXTrainer`,
 `TorchTrainer`), chosen once when `keras_duq` is imported and mixed into
@@ -272,28 +274,6 @@ def log_kernel_and_penalty(
         ]
     norms = _ops.gradient_norms(gradients)
     return log_kernel, _ops.gradient_penalty(norms, penalty), state
-
-
-# -------------------------------------------------------------- centroids
-
-
-def centroid_update(layer, features, labels_one_hot, all_reduce=None):
-    """`(counts, sums, finite)`: a `DUQOutput`'s centroid state after one batch.
-
-    Reads the layer's current state (its variables, or their values in a
-    `keras.StatelessScope`) and assigns nothing. `all_reduce(counts, sums)`
-    sums the batch statistics over replicas where the batch is split.
-    """
-    counts, sums = _ops.centroid_statistics(
-        layer.embed(features), ops.cast(labels_one_hot, "float32")
-    )
-    if all_reduce is not None:
-        counts, sums = all_reduce(counts, sums)
-    new_counts = _ops.moving_average(
-        layer.centroid_counts.value, counts, layer.momentum
-    )
-    new_sums = _ops.moving_average(layer.centroid_sums.value, sums, layer.momentum)
-    return new_counts, new_sums, all_finite([new_counts, new_sums])
 
 
 # ---------------------------------------------------------------- helpers

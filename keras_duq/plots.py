@@ -142,8 +142,7 @@ def plot_certainty_map(
     for label, color in zip(np.unique(y_train), ("tab:red", "white", "tab:orange")):
         points = x_train[y_train == label]
         axes.scatter(points[:, 0], points[:, 1], s=4, c=color, label=f"class {label}")
-    axes.set_xlim(*x_range)
-    axes.set_ylim(*y_range)
+    axes.set(xlim=x_range, ylim=y_range)
     return _finish(axes, created, title, legend_loc="lower left", fontsize="small")
 
 
@@ -188,10 +187,12 @@ def plot_roc_curve(
     name = f"{label} " if label else ""
     axes.plot(fpr, tpr, color="tab:blue", label=f"{name}(AUROC {auroc:.3f})")
     axes.plot([0, 1], [0, 1], color="grey", linestyle=":", label="chance")
-    axes.set_xlim(0.0, 1.0)
-    axes.set_ylim(0.0, 1.01)
-    axes.set_xlabel("false positive rate (in-distribution flagged as OoD)")
-    axes.set_ylabel("true positive rate (OoD flagged)")
+    axes.set(
+        xlim=(0.0, 1.0),
+        ylim=(0.0, 1.01),
+        xlabel="false positive rate (in-distribution flagged as OoD)",
+        ylabel="true positive rate (OoD flagged)",
+    )
     return _finish(axes, created, title, legend_loc="lower right")
 
 
@@ -280,9 +281,11 @@ def plot_rejection_curve(
         linestyle="--",
         label="theoretical maximum",
     )
-    axes.set_xlim(0.0, 1.0)
-    axes.set_xlabel("fraction of data rejected (least certain first)")
-    axes.set_ylabel("accuracy on the kept data")
+    axes.set(
+        xlim=(0.0, 1.0),
+        xlabel="fraction of data rejected (least certain first)",
+        ylabel="accuracy on the kept data",
+    )
     return _finish(axes, created, title, legend_loc="lower right")
 
 
@@ -334,24 +337,14 @@ def plot_certainty_histograms(
         low, high = low - 0.5, high + 0.5
     edges = np.linspace(low, high, bins + 1)
     axes, created = _axes(ax, figsize=(6, 4))
-    axes.hist(
-        in_certainty,
-        bins=edges,
-        density=True,
-        alpha=0.6,
-        color="tab:blue",
-        label=in_label,
-    )
-    axes.hist(
-        ood_certainty,
-        bins=edges,
-        density=True,
-        alpha=0.6,
-        color="tab:orange",
-        label=ood_label,
-    )
-    axes.set_xlabel(xlabel)
-    axes.set_ylabel("density")
+    for certainty, color, label in (
+        (in_certainty, "tab:blue", in_label),
+        (ood_certainty, "tab:orange", ood_label),
+    ):
+        axes.hist(
+            certainty, bins=edges, density=True, alpha=0.6, color=color, label=label
+        )
+    axes.set(xlabel=xlabel, ylabel="density")
     return _finish(axes, created, title, legend_loc="upper center")
 
 
@@ -428,10 +421,7 @@ def plot_reliability_diagram(
         label="gap to mean confidence",
     )
     axes.plot([0, 1], [0, 1], color="grey", linestyle=":", label="calibrated")
-    axes.set_xlim(0.0, 1.0)
-    axes.set_ylim(0.0, 1.0)
-    axes.set_xlabel("confidence")
-    axes.set_ylabel("accuracy")
+    axes.set(xlim=(0.0, 1.0), ylim=(0.0, 1.0), xlabel="confidence", ylabel="accuracy")
     # Which corner is free depends on the bars (over-confident models leave
     # the upper left empty, under-confident ones fill it).
     return _finish(axes, created, title, legend_loc="best")

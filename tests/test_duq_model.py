@@ -217,14 +217,15 @@ def test_default_weight_decay_is_the_papers_under_sgd_and_none_otherwise(
     trained = []
     for weight_decay in (None, decay):
         model = _model(weight_decay=weight_decay, gradient_penalty=0.0)
-        model.compile(optimizer=optimizer())
+        # Eager: one step each, not worth a traced function.
+        model.compile(optimizer=optimizer(), run_eagerly=True)
         model.train_on_batch(x, y)
         trained.append([keras.ops.convert_to_numpy(w) for w in model.weights])
     for default, explicit in zip(*trained):
         np.testing.assert_array_equal(default, explicit)
     # And the decay is real where it applies: an explicit one differs.
     model = _model(weight_decay=0.5, gradient_penalty=0.0)
-    model.compile(optimizer=optimizer())
+    model.compile(optimizer=optimizer(), run_eagerly=True)
     model.train_on_batch(x, y)
     assert not all(
         np.array_equal(keras.ops.convert_to_numpy(w), t)

@@ -231,11 +231,17 @@ def test_update_centroids_refuses_a_non_finite_update_on_every_backend(bad):
     layer = _layer(momentum=0.9)
     features = _features()
     features[2, 1] = bad
+    labels_one_hot = np.eye(3, dtype="float32")[[0, 1, 1, 2, 2, 2]]
+    sums = keras.ops.convert_to_numpy(layer.centroid_sums).copy()
     before = [keras.ops.convert_to_numpy(v).copy() for v in layer.non_trainable_weights]
-    with pytest.raises(Exception, match="centroid update is not finite"):
-        layer.update_centroids(features, np.eye(3, dtype="float32")[[0, 1, 1, 2, 2, 2]])
+    applied = layer.update_centroids(features, labels_one_hot)
+    assert not bool(keras.ops.convert_to_numpy(applied))
     for old, variable in zip(before, layer.non_trainable_weights):
         np.testing.assert_array_equal(old, keras.ops.convert_to_numpy(variable))
+    # A finite batch is applied, and says so.
+    applied = layer.update_centroids(_features(), labels_one_hot)
+    assert bool(keras.ops.convert_to_numpy(applied))
+    assert not np.array_equal(sums, keras.ops.convert_to_numpy(layer.centroid_sums))
 
 
 def test_shared_head_update_centroids_is_one_moving_average_step():
