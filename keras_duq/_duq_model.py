@@ -389,9 +389,11 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
             loss: must stay `None`: the DUQ loss (binary cross-entropy on
                 the kernel values plus the gradient penalty) is built in,
                 and any other value raises a `ValueError`.
-            *args, **kwargs: the rest of `keras.Model.compile`'s arguments
-                (`metrics`, `jit_compile`, `steps_per_execution`, ...).
-                Metrics receive the kernel values as `y_pred`.
+            *args: the rest of `keras.Model.compile`'s arguments, by
+                position.
+            **kwargs: the rest of `keras.Model.compile`'s arguments, by
+                name (`metrics`, `jit_compile`, `steps_per_execution`,
+                ...). Metrics receive the kernel values as `y_pred`.
 
         Example:
 

@@ -399,9 +399,7 @@ class DUQOutput(keras.layers.Layer):
         )
         counts = _ops.moving_average(self.centroid_counts.value, counts, self.momentum)
         sums = _ops.moving_average(self.centroid_sums.value, sums, self.momentum)
-        finite = ops.logical_and(
-            ops.all(ops.isfinite(counts)), ops.all(ops.isfinite(sums))
-        )
+        finite = _ops.all_finite([counts, sums])
         return counts, sums, finite
 
     def compute_output_shape(self, input_shape: tuple) -> tuple:

@@ -33,6 +33,7 @@ import keras
 from keras import ops
 
 from keras_duq import _compat
+from keras_duq import _ops
 from keras_duq import _trainer
 
 # The log key (and metric name) that carries a step's error code.
@@ -143,7 +144,7 @@ class JAXTrainer(_trainer.Trainer):
             optimizer_variables, gradients, trainable
         )
         # Includes the statistics layers update in the forward pass (BatchNorm).
-        finite = _trainer.all_finite(
+        finite = _ops.all_finite(
             gradients + [values.objective] + list(new_non_trainable)
         )
         if self._uses_loss_scale():

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from keras import ops
 
 from keras_duq._typing import Tensor
+from keras_duq._validation import is_float
 
 PENALTIES = ("two_sided", "one_sided")
 
@@ -380,3 +381,14 @@ def validate_penalty(penalty: str) -> None:
             "`gradient_penalty=0` to turn the penalty off). "
             f"Received: `penalty={penalty!r}`"
         )
+
+
+def all_finite(tensors):
+    """Whether every floating-point tensor in `tensors` is finite (a bool tensor)."""
+    # Integer state (e.g. a layer's random seed) is always finite.
+    checks = [
+        ops.all(ops.isfinite(t)) for t in tensors if t is not None and is_float(t.dtype)
+    ]
+    if not checks:
+        return ops.convert_to_tensor(True)
+    return ops.all(ops.stack(checks))

@@ -36,6 +36,7 @@ from keras import ops
 from keras_duq import _compat
 from keras_duq import _data_feeding
 from keras_duq import _moments
+from keras_duq import _ops
 from keras_duq import _trainer
 from keras_duq._tensorflow_batch import labels_to_one_hot
 from keras_duq._validation import NON_FINITE_CENTROID_MESSAGE
@@ -120,7 +121,7 @@ class TensorFlowTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
                 x, labels_one_hot, sample_weight
             )
         gradients = self._clipped_as_one_batch(gradients)
-        finite = _trainer.all_finite(
+        finite = _ops.all_finite(
             gradients
             + [values.objective]
             + [tf.identity(variable) for variable in layer_state]

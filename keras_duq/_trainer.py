@@ -133,7 +133,7 @@ def check_batch(input_specs, x, y, sample_weight, one_hot):
     if sample_weight is not None:
         sample_weight = ops.reshape(ops.cast(sample_weight, "float32"), (-1,))
     labels_one_hot, code = one_hot(y)
-    inputs_finite = all_finite([t for t in keras.tree.flatten(x) if is_float(t.dtype)])
+    inputs_finite = _ops.all_finite(keras.tree.flatten(x))
     code = first_error(code, ops.where(inputs_finite, 0, NON_FINITE_INPUT))
     return x, labels_one_hot, sample_weight, code
 
@@ -282,17 +282,6 @@ def log_kernel_and_penalty(
 def first_error(code, new_code):
     """`code` if it is an error already, else `new_code` (int32)."""
     return ops.cast(ops.where(ops.not_equal(code, 0), code, new_code), "int32")
-
-
-def all_finite(tensors):
-    """Whether every floating-point tensor in `tensors` is finite (a bool tensor)."""
-    # Integer state (e.g. a layer's random seed) is always finite.
-    checks = [
-        ops.all(ops.isfinite(t)) for t in tensors if t is not None and is_float(t.dtype)
-    ]
-    if not checks:
-        return ops.convert_to_tensor(True)
-    return ops.all(ops.stack(checks))
 
 
 def finite_rows(inputs):

@@ -159,8 +159,8 @@ def ood_metrics(
         - `"auroc"`: area under the ROC curve (the paper's metric).
         - `"aupr"`: average precision with OoD as positive.
         - `"fpr_at_95_tpr"`: the fraction of in-distribution examples flagged
-          as OoD at the strictest threshold that flags at least 95% of the
-          OoD examples.
+            as OoD at the strictest threshold that flags at least 95% of the
+            OoD examples.
     """
     in_certainty = as_certainty("in_distribution_certainty", in_distribution_certainty)
     ood_certainty = as_certainty(
@@ -283,87 +283,6 @@ def rejection_curve(
     }
 
 
-def calibration_curve(
-    confidence: ArrayLike,
-    correct: ArrayLike,
-    num_bins: int = 15,
-    strategy: str = "uniform",
-) -> dict[str, np.ndarray]:
-    """Per-bin accuracy and mean confidence: the data of a reliability diagram.
-
-    Examples are grouped into bins by confidence; a calibrated model is right
-    as often as it is confident in every bin (`accuracy == confidence`).
-    Bins are closed on the right, `(low, high]`, with a confidence of exactly
-    `0` in the first bin. `expected_calibration_error` and
-    `keras_duq.plots.plot_reliability_diagram` are built on this function.
-
-    Example:
-
-    ```python
-    probabilities = softmax_model.predict(x_test)
-    curve = keras_duq.evaluation.calibration_curve(
-        probabilities.max(axis=1), probabilities.argmax(axis=1) == y_test
-    )
-    curve["accuracy"] - curve["confidence"]   # > 0: under-confident bins
-    ```
-
-    Args:
-        confidence: array-like `(num_examples,)` in `[0, 1]`: the maximum
-            softmax (or ensemble) probability, a DUQ certainty (max kernel
-            value) or a calibrated probability (`CertaintyCalibrator`).
-        correct: array-like `(num_examples,)` of bools (or 0/1), whether each
-            prediction is right.
-        num_bins: int >= 1, number of bins. Defaults to `15`, the usual
-            choice since Guo et al. (2017).
-        strategy: `"uniform"` (default): bins of equal width on `[0, 1]`.
-            `"quantile"`: bins holding (about) the same number of examples,
-            with edges at quantiles of `confidence`; tied confidences can
-            leave some bins empty.
-
-    Returns:
-        A dict:
-
-        - `"bin_edges"`: float64 `(num_bins + 1,)`, increasing.
-        - `"count"`: int64 `(num_bins,)`, examples per bin.
-        - `"confidence"`: float64 `(num_bins,)`, mean confidence per bin
-          (`nan` for an empty bin).
-        - `"accuracy"`: float64 `(num_bins,)`, fraction correct per bin
-          (`nan` for an empty bin).
-    """
-    check_int("num_bins", num_bins, minimum=1)
-    if strategy not in CALIBRATION_STRATEGIES:
-        raise ValueError(
-            f"Unknown binning strategy. Expected one of {CALIBRATION_STRATEGIES}. "
-            f"Received: `strategy={strategy!r}`"
-        )
-    confidence = as_certainty("confidence", confidence)
-    if confidence.min() < 0 or confidence.max() > 1:
-        raise ValueError(
-            "Calibration compares confidence with accuracy, so `confidence` "
-            "must lie in [0, 1] (a probability or a DUQ kernel value). For "
-            "other certainties (e.g. negative entropy) fit a "
-            "`keras_duq.evaluation.CertaintyCalibrator` and pass its output. "
-            f"Received: values in [{confidence.min()}, {confidence.max()}]"
-        )
-    correct = as_correct("correct", correct, len(confidence)).astype("float64")
-    quantiles = np.linspace(0.0, 1.0, num_bins + 1)
-    if strategy == "uniform":
-        edges = quantiles
-    else:
-        edges = np.quantile(confidence, quantiles)
-    bin_index = np.digitize(confidence, edges[1:-1], right=True)
-    count = np.bincount(bin_index, minlength=num_bins)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        mean_confidence = np.bincount(bin_index, confidence, num_bins) / count
-        accuracy = np.bincount(bin_index, correct, num_bins) / count
-    return {
-        "bin_edges": edges,
-        "count": count,
-        "confidence": mean_confidence,
-        "accuracy": accuracy,
-    }
-
-
 def expected_calibration_error(
     confidence: ArrayLike,
     correct: ArrayLike,
@@ -414,6 +333,87 @@ def expected_calibration_error(
     weights = curve["count"][filled] / curve["count"].sum()
     gaps = np.abs(curve["accuracy"][filled] - curve["confidence"][filled])
     return float(np.sum(weights * gaps))
+
+
+def calibration_curve(
+    confidence: ArrayLike,
+    correct: ArrayLike,
+    num_bins: int = 15,
+    strategy: str = "uniform",
+) -> dict[str, np.ndarray]:
+    """Per-bin accuracy and mean confidence: the data of a reliability diagram.
+
+    Examples are grouped into bins by confidence; a calibrated model is right
+    as often as it is confident in every bin (`accuracy == confidence`).
+    Bins are closed on the right, `(low, high]`, with a confidence of exactly
+    `0` in the first bin. `expected_calibration_error` and
+    `keras_duq.plots.plot_reliability_diagram` are built on this function.
+
+    Example:
+
+    ```python
+    probabilities = softmax_model.predict(x_test)
+    curve = keras_duq.evaluation.calibration_curve(
+        probabilities.max(axis=1), probabilities.argmax(axis=1) == y_test
+    )
+    curve["accuracy"] - curve["confidence"]   # > 0: under-confident bins
+    ```
+
+    Args:
+        confidence: array-like `(num_examples,)` in `[0, 1]`: the maximum
+            softmax (or ensemble) probability, a DUQ certainty (max kernel
+            value) or a calibrated probability (`CertaintyCalibrator`).
+        correct: array-like `(num_examples,)` of bools (or 0/1), whether each
+            prediction is right.
+        num_bins: int >= 1, number of bins. Defaults to `15`, the usual
+            choice since Guo et al. (2017).
+        strategy: `"uniform"` (default): bins of equal width on `[0, 1]`.
+            `"quantile"`: bins holding (about) the same number of examples,
+            with edges at quantiles of `confidence`; tied confidences can
+            leave some bins empty.
+
+    Returns:
+        A dict:
+
+        - `"bin_edges"`: float64 `(num_bins + 1,)`, increasing.
+        - `"count"`: int64 `(num_bins,)`, examples per bin.
+        - `"confidence"`: float64 `(num_bins,)`, mean confidence per bin
+            (`nan` for an empty bin).
+        - `"accuracy"`: float64 `(num_bins,)`, fraction correct per bin
+            (`nan` for an empty bin).
+    """
+    check_int("num_bins", num_bins, minimum=1)
+    if strategy not in CALIBRATION_STRATEGIES:
+        raise ValueError(
+            f"Unknown binning strategy. Expected one of {CALIBRATION_STRATEGIES}. "
+            f"Received: `strategy={strategy!r}`"
+        )
+    confidence = as_certainty("confidence", confidence)
+    if confidence.min() < 0 or confidence.max() > 1:
+        raise ValueError(
+            "Calibration compares confidence with accuracy, so `confidence` "
+            "must lie in [0, 1] (a probability or a DUQ kernel value). For "
+            "other certainties (e.g. negative entropy) fit a "
+            "`keras_duq.evaluation.CertaintyCalibrator` and pass its output. "
+            f"Received: values in [{confidence.min()}, {confidence.max()}]"
+        )
+    correct = as_correct("correct", correct, len(confidence)).astype("float64")
+    quantiles = np.linspace(0.0, 1.0, num_bins + 1)
+    if strategy == "uniform":
+        edges = quantiles
+    else:
+        edges = np.quantile(confidence, quantiles)
+    bin_index = np.digitize(confidence, edges[1:-1], right=True)
+    count = np.bincount(bin_index, minlength=num_bins)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean_confidence = np.bincount(bin_index, confidence, num_bins) / count
+        accuracy = np.bincount(bin_index, correct, num_bins) / count
+    return {
+        "bin_edges": edges,
+        "count": count,
+        "confidence": mean_confidence,
+        "accuracy": accuracy,
+    }
 
 
 def risk_coverage_curve(

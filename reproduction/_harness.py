@@ -46,6 +46,12 @@ SHARED_ARGUMENTS = {
         default=False,
         help="Bias-correct the centroid moving average (keras_duq.DUQOutput).",
     ),
+    "--head": dict(
+        choices=("auto", "per_class", "shared"),
+        default="auto",
+        help="DUQ's head (keras_duq.DUQOutput's head): the paper's per-class "
+        "projections, one shared projection, or 'auto' (the library's rule).",
+    ),
     "--max-steps-per-epoch": dict(
         type=int,
         default=None,

@@ -166,7 +166,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="DUQ's lambda. Default: the recipe's (paper 0.5, paper_code 0.75).",
     )
     parser.add_argument("--length-scale", type=float, default=0.1)
-    _harness.add_arguments(parser, "--centroid-momentum")
+    _harness.add_arguments(parser, "--centroid-momentum", "--head")
     parser.add_argument("--centroid-dims", type=int, default=FEATURES)
     parser.add_argument(
         "--kernel-initializer",
@@ -461,6 +461,7 @@ def build_duq_model(args, steps_per_epoch: int, seed: int) -> keras_duq.DUQModel
     model = keras_duq.wrap(
         backbone,
         NUM_CLASSES,
+        head=args.head,
         centroid_dims=args.centroid_dims,
         length_scale=args.length_scale,
         momentum=args.centroid_momentum,

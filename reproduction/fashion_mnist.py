@@ -86,7 +86,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="DUQ: wrap the backbone's convolutions and dense layer with "
         "keras_duq.spectral_normalize(backbone, coefficient=COEFFICIENT)",
     )
-    _harness.add_arguments(parser, "--bias-correction", "--centroid-momentum")
+    _harness.add_arguments(parser, "--bias-correction", "--centroid-momentum", "--head")
     parser.add_argument(
         "--kernel-initializer",
         default="reference",
@@ -232,6 +232,7 @@ def build_duq_model(args, steps_per_epoch: int) -> keras_duq.DUQModel:
     model = keras_duq.wrap(
         backbone,
         NUM_CLASSES,
+        head=args.head,
         centroid_dims=256,
         length_scale=args.length_scale,
         momentum=args.centroid_momentum,

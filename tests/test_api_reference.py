@@ -18,9 +18,9 @@ def test_the_api_reference_lists_every_public_name():
 
     text = (SCRIPT.parent / "api.md").read_text()
     for name in keras_duq.__all__:
-        assert f"### `keras_duq.{name}`" in text, name
+        assert f"::: keras_duq.{name}\n" in text, name
     for name in ("evaluation.ood_metrics", "callbacks.HealthCheck", "tuning.search"):
-        assert f"### `keras_duq.{name}`" in text, name
+        assert f"::: keras_duq.{name}\n" in text, name
 
 
 def test_warnings_are_errors_an_undocumented_name_or_argument_fails_the_build():

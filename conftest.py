@@ -7,7 +7,7 @@ The repository and `shared/` sit side by side (`<root>/main`,
 import os
 from pathlib import Path
 
-SHARED_DIR = Path(__file__).resolve().parents[2] / "shared"
+SHARED_DIR = Path(__file__).resolve().parents[1] / "shared"
 DATA_DIR = SHARED_DIR / "data"
 
 # Keras reads KERAS_HOME once, when `keras.src.backend.config` is imported,
