@@ -59,11 +59,11 @@ def _members(cls):
         if inherited and not getattr(function, "__doc__", None):
             continue  # an override of Keras's method, documented by Keras
         if isinstance(value, property):
-            yield name, "property", value.fget
+            yield name, value.fget
         elif isinstance(value, (classmethod, staticmethod)):
-            yield name, "method", value.__func__
+            yield name, value.__func__
         elif inspect.isfunction(value) and name != "__init__":
-            yield name, "method", value
+            yield name, value
 
 
 def _documented_names(doc: str) -> set[str] | None:
@@ -113,7 +113,7 @@ def _entry_problems(qualified, value) -> list[str]:
     if inspect.isclass(value):
         init = value.__init__ if "__init__" in vars(value) else value
         found = _problems(qualified, init, doc_owner=value)
-        for name, _, member in _members(value):
+        for name, member in _members(value):
             found += _problems(f"{qualified}.{name}", member)
         return found
     return _problems(qualified, value) if callable(value) else []
@@ -123,7 +123,7 @@ def _entry(qualified, value) -> list[str]:
     lines = [f"::: {qualified}"]
     if inspect.isclass(value):
         # Only what the class defines itself: Keras documents the rest.
-        members = [name for name, _, _ in _members(value)]
+        members = [name for name, _ in _members(value)]
         lines += ["    options:", f"      members: {members or 'false'}"]
     return lines + [""]
 
