@@ -23,7 +23,8 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 # JAX compiles every new model's train step, and many tests build the same
 # small models: its persistent compilation cache (keyed by the compiled
 # program) serves the repeats, here and in the backend subprocesses, which
-# inherit the variable. The JAX suite ran 20% faster with it. One folder per
+# inherit the variable (as do pytest-xdist's workers: one folder for all).
+# tests/test_health.py on JAX: 193 s with it, 250 s without. One folder per
 # session, removed at exit; a folder chosen by whoever runs the tests is kept.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     import atexit

@@ -53,8 +53,8 @@ keras.utils.set_random_seed(0)
 # certain on the moons and uncertain on the far points.
 
 X_RANGE, Y_RANGE = (-3.5, 4.5), (-3.0, 3.5)
-# The quick run's 320 points are 5 full batches of 64: a last, smaller batch
-# would compile a second train step (JAX) or trace one (TensorFlow).
+# The quick run's 320 points are 5 full batches of 64: on JAX a last, smaller
+# batch would compile a second train step.
 num_train = 320 if args.quick else 1500
 x_train, y_train = make_moons(num_train, noise=0.1, random_state=0)
 x_test, y_test = make_moons(500, noise=0.1, random_state=1)
