@@ -446,6 +446,26 @@ def test_the_mode_comparison_does_not_depend_on_the_chunk_size():
         assert _health.ModeComparison(model, x, chunk_size).gap < 0.05
 
 
+def test_the_mode_comparison_is_reused_only_while_inputs_and_weights_stay():
+    # The end of `fit`, its last epoch and a `predict` in a callback compare
+    # the modes on the same sample and weights: one set of passes serves all.
+    layers = [keras.layers.Dense(16), keras.layers.BatchNormalization()]
+    model = _model(layers=layers)
+    x, _ = _data(n=64)
+    first = _health.compare_modes(model, x, 16)
+    assert _health.compare_modes(model, x, 16) is first
+    assert _health.compare_modes(model, x, 32) is not first
+    # A weight that changes without an optimizer step (a restored
+    # checkpoint, re-estimated statistics) makes a new comparison.
+    before = _health.compare_modes(model, x, 32)
+    bn = layers[1]
+    bn.moving_mean.assign(bn.moving_mean + 1.0)
+    after = _health.compare_modes(model, x, 32)
+    assert after is not before and after.gap != before.gap
+    # Other inputs, even equal ones, too.
+    assert _health.compare_modes(model, x.copy(), 32) is not after
+
+
 # ------------------------------------------------------------ the BN fix
 
 

@@ -25,6 +25,7 @@ from keras_duq._health.callback import with_health_check
 from keras_duq._health.checks import ModeComparison
 from keras_duq._health.checks import check_final_state
 from keras_duq._health.checks import check_predictions
+from keras_duq._health.checks import compare_modes
 from keras_duq._health.checks import feature_noise_layer
 from keras_duq._health.state import out_of_distribution
 from keras_duq._health.state import state_of
@@ -49,6 +50,7 @@ __all__ = [
     "batch_trackers",
     "check_final_state",
     "check_predictions",
+    "compare_modes",
     "feature_noise_layer",
     "out_of_distribution",
     "rules",

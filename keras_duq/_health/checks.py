@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import TYPE_CHECKING
 from typing import Any
 
@@ -332,10 +333,32 @@ def check_short_run(model, logs):
 
 
 def compare_modes(model, inputs, chunk_size=None):
-    """The `ModeComparison` on `inputs` (or `None` without inputs)."""
+    """The `ModeComparison` on `inputs` (or `None` without inputs).
+
+    Reuses the last comparison when `inputs`, `chunk_size` and every weight
+    of the model are the same: `fit`'s last epoch, its end and a `predict`
+    in a callback would otherwise each pass the sample three times through
+    the same model (on the CIFAR-10 ResNet-18, 512 images, CPU: ~50 s each).
+    """
     if inputs is None:
         return None
-    return ModeComparison(model, inputs, chunk_size)
+    state = state_of(model)
+    key = (id(inputs), chunk_size, weights_digest(model))
+    if state.comparison is not None and state.comparison[0] == key:
+        return state.comparison[1]
+    comparison = ModeComparison(model, inputs, chunk_size)
+    # The inputs are kept with the key: their `id` is only unique while
+    # they live.
+    state.comparison = (key, comparison, inputs)
+    return comparison
+
+
+def weights_digest(model):
+    """A digest of every weight's value: equal digests, same weights."""
+    digest = hashlib.blake2b(digest_size=16)
+    for weight in model.weights:
+        digest.update(np.ascontiguousarray(ops.convert_to_numpy(weight.value)))
+    return digest.digest()
 
 
 def check_final_state(model, inputs, where, training=False, chunk_size=None):

@@ -27,6 +27,8 @@ class HealthState:
         out_of_distribution: > 0 while `predict` is given OoD inputs.
         epoch_seconds: the seconds its epochs have taken, over all `fit`s ...
         comparison_seconds: ... and its per-epoch mode comparisons.
+        comparison: its last mode comparison, `(key, comparison, inputs)`
+            (see `checks.compare_modes`).
     """
 
     warned: set[str] = dataclasses.field(default_factory=set)
@@ -37,6 +39,7 @@ class HealthState:
     out_of_distribution: int = 0
     epoch_seconds: float = 0.0
     comparison_seconds: float = 0.0
+    comparison: tuple[Any, Any, Any] | None = None
 
 
 _STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
