@@ -357,7 +357,7 @@ def weights_digest(model):
     """A digest of every weight's value: equal digests, same weights."""
     digest = hashlib.blake2b(digest_size=16)
     for weight in model.weights:
-        digest.update(np.ascontiguousarray(ops.convert_to_numpy(weight.value)))
+        digest.update(np.asarray(ops.convert_to_numpy(weight.value)).tobytes())
     return digest.digest()
 
 
