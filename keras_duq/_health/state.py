@@ -27,7 +27,7 @@ class HealthState:
         out_of_distribution: > 0 while `predict` is given OoD inputs.
         epoch_seconds: the seconds its epochs have taken, over all `fit`s ...
         comparison_seconds: ... and its per-epoch mode comparisons.
-        comparison: its last mode comparison, `(key, comparison, inputs)`
+        comparison: its last mode comparison, `(inputs, key, comparison)`
             (see `checks.compare_modes`).
     """
 
