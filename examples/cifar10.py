@@ -108,7 +108,7 @@ test, ood = (data.map(normalize).batch(500).cache() for data in (test, ood))
 #
 # Three stages of residual blocks, then global average pooling: the features.
 # Any Keras model that outputs `(batch, features)` works; the paper uses a
-# ResNet-18 (`python -m reproduction.cifar10` builds it).
+# ResNet-18 (`python -m research.reproduction.cifar10` builds it).
 
 
 def residual_block(x, filters, stride):
@@ -210,4 +210,4 @@ print(f"wrote {path}")
 # Next steps
 #
 # The paper's ResNet-18, its two recipes, the baselines and resumable runs:
-# `python -m reproduction.cifar10 --help` (docs/cifar10.md).
+# `python -m research.reproduction.cifar10 --help` (docs/cifar10.md).

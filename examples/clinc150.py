@@ -158,11 +158,11 @@ for seed in args.seeds:
 # ----------------------------------------------------------------------
 # What to expect
 #
-# The same models and budget in `benchmarks.recipe`, seeds 0-2, one CPU
+# The same models and budget in `research.benchmarks.recipe`, seeds 0-2, one CPU
 # thread (about 5 minutes a DUQ run): DUQ 0.815 in-scope accuracy and
 # out-of-scope AUROC 0.882 (means), softmax 0.778 and 0.872.
-# docs/beyond_fashion_mnist.md has the runs and the command that
-# regenerates them (`python -m benchmarks.recipe --problem clinc150 --seeds
+# docs/reports/beyond_fashion_mnist.md has the runs and the command that
+# regenerates them (`python -m research.benchmarks.recipe --problem clinc150 --seeds
 # 0 1 2 --softmax`). Published results on CLINC150 use
 # pretrained language models (BERT) and are far above a from-scratch
 # bag-of-embeddings model; compare the two heads here side by side.

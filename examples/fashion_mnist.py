@@ -189,4 +189,4 @@ print(f"wrote {path}")
 #   0.939 over 4 seeds (docs/reproducing_fashion_mnist.md).
 # - `model.save("duq.keras")` keeps everything, centroids included.
 # - The full reproduction (softmax and deep-ensemble baselines, resumable runs,
-#   every setting as a flag): `python -m reproduction.fashion_mnist --help`.
+#   every setting as a flag): `python -m research.reproduction.fashion_mnist --help`.

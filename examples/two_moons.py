@@ -201,4 +201,4 @@ print(f"wrote {path}")
 #
 # - `model.save("duq.keras")` saves the model, centroids included.
 # - The paper's three-layer MLP, seed sweeps and the results reported in
-#   docs/two_moons.md: `python -m reproduction.two_moons --help`.
+#   docs/reports/two_moons.md: `python -m research.reproduction.two_moons --help`.

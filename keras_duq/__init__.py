@@ -50,7 +50,6 @@ certainty = model.predict(x_test).max(axis=1)
 """
 
 import importlib
-import warnings
 
 from keras_duq._duq_model import DUQModel
 from keras_duq._duq_output import DUQOutput
@@ -89,43 +88,17 @@ __all__ = [
 
 _SUBMODULES = ("batch_norm", "callbacks", "datasets", "evaluation", "plots", "tuning")
 
-# keras_duq 0.1 exported these at the top level; they still work, with a
-# warning that names their new home.
-_MOVED = {
-    "OODEvaluation": "callbacks",
-    "certainty_scores": "evaluation",
-    "misclassification_auroc": "evaluation",
-    "ood_metrics": "evaluation",
-    "rejection_curve": "evaluation",
-    "plot_certainty_map": "plots",
-    "plot_certainty_histograms": "plots",
-    "plot_rejection_curve": "plots",
-    "plot_roc_curve": "plots",
-    "FASHION_MNIST_MEAN": "datasets",
-    "FASHION_MNIST_STD": "datasets",
-    "load_fashion_mnist": "datasets",
-    "load_mnist_test": "datasets",
-    "make_dataset": "datasets",
-    "normalize": "datasets",
-    "read_idx": "datasets",
-}
-
 
 def __getattr__(name):
     # Submodules load on first use, so `import keras_duq` pulls in neither
     # scikit-learn nor matplotlib.
     if name in _SUBMODULES:
         return importlib.import_module(f"keras_duq.{name}")
-    if name in _MOVED:
-        module = _MOVED[name]
-        warnings.warn(
-            f"`keras_duq.{name}` moved to `keras_duq.{module}.{name}` in "
-            "keras_duq 0.2; the old name will be removed.",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(importlib.import_module(f"keras_duq.{module}"), name)
-    raise AttributeError(f"module 'keras_duq' has no attribute {name!r}")
+    raise AttributeError(
+        f"module 'keras_duq' has no attribute {name!r}. Besides {__all__[:-1]}, "
+        f"it holds the submodules {list(_SUBMODULES)}: e.g. "
+        "`keras_duq.evaluation.ood_metrics`, `keras_duq.callbacks.OODEvaluation`."
+    )
 
 
 def __dir__():

@@ -13,9 +13,8 @@ def quiet_array_inputs(method, arguments):
     Keras feeds arrays through a `tf.data` pipeline with autotuning on, and
     dropping such an iterator before its end, as `fit` does after each
     epoch's last step, sometimes waits for the autotuning thread's next
-    wake-up: up to a minute. Measured, a whole `fit` took 1.9-2.0x the sum of
-    its steps (docs/performance.md). The same pipeline with autotuning off
-    gives the same batches without the wait. `arguments` maps every parameter
+    wake-up. The same pipeline with autotuning off gives the same batches
+    without the wait. `arguments` maps every parameter
     name of the Keras method to its value; datasets, generators and other
     inputs pass through unchanged.
     """

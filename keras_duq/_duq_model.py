@@ -18,6 +18,7 @@ from keras_duq import _data_checks
 from keras_duq import _health
 from keras_duq import _ops
 from keras_duq import _penalty_input
+from keras_duq import _saved_configs
 from keras_duq import _trainer
 from keras_duq._duq_output import find_duq_output
 from keras_duq._typing import Tensor
@@ -72,9 +73,8 @@ def default_categorical_cross_entropy_weight(feature_extractor: keras.Layer) -> 
     rate `p` (1 without). `p / (1 - p)` is the dropout's variance
     relative to each feature's square; the binary cross-entropy's own-class
     term grows with it through `W`, which can pull `W` smaller at the cost
-    of the classes' separation (the explanation in docs/own_model.md,
-    "Dropout right before the head"). The factor 2 comes from measurement
-    ("The categorical weight behind dropout"): 3 at rate 0.5, 1.5 at 0.2.
+    of the classes' separation; the categorical term, which compares the
+    classes, keeps them apart. 3 at rate 0.5, 1.5 at 0.2.
     """
     rate = float(getattr(_health.feature_noise_layer(feature_extractor), "rate", 0))
     if not 0.0 < rate < 1.0:  # no dropout, or (rate 1) no features to weigh
@@ -126,10 +126,10 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
     largest kernel value), `underflow` (fraction of examples whose kernel
     values all underflow) and, with the two-sided penalty,
     `zero_input_gradient` (fraction of examples whose input gradient is
-    ~0), and `fit` adds `centroid_overlap` and `batch_norm_gap` per epoch
-    (docs/health_checks.md). Metrics passed to `compile(metrics=[...])` get
-    the labels as given and the kernel values as `y_pred`. Do not pass a `loss` to
-    `compile`: the DUQ loss is built in.
+    ~0), and `fit` adds `centroid_overlap` and `batch_norm_gap` per epoch.
+    Metrics passed to `compile(metrics=[...])` get the labels as given and
+    the kernel values as `y_pred`. Do not pass a `loss` to `compile`: the DUQ
+    loss is built in.
 
     Labels may be sparse integers `(batch,)` or `(batch, 1)`, or one-hot
     `(batch, num_classes)`. `sample_weight` and `class_weight` weight the
@@ -190,8 +190,7 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
             regularization", as StyleGAN2 applies its R1 penalty). The other
             steps cost what a step without the penalty costs. `evaluate`
             always computes the penalty. Defaults to `1`, the paper's exact
-            penalty on every step; docs/performance.md measures larger
-            values.
+            penalty on every step.
         weight_decay: float >= 0 or `None`, coupled L2 weight decay on
             every trainable weight but embedding tables, as in the paper:
             each gradient gets `+ weight_decay * w` (the loss gets
@@ -203,7 +202,7 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
             gradients are small (rare tokens' embeddings, rarely seen
             classes' projections) far more than the rest; decay them with the
             optimizer's own decoupled `weight_decay` (e.g. `keras.optimizers.
-            AdamW`) instead (docs/text.md). The weights of
+            AdamW`) instead. The weights of
             `keras.layers.Embedding` layers are never decayed here: a row
             gets a gradient only from the batches that hold its token; give
             an `Embedding` an `embeddings_regularizer` to decay it.
@@ -224,16 +223,15 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
             number of classes. `None` (default) takes `1.0`, or
             `1 + 2 * p / (1 - p)` when the features come straight out of a
             dropout layer of rate `p` (through `Flatten`, `Reshape` or
-            `Permute` at most): 3 at `p = 0.5`. The measurements behind it
-            are in docs/own_model.md and docs/beyond_fashion_mnist.md. The
-            weight used is saved with the model. `0` is the paper's loss
+            `Permute` at most): 3 at `p = 0.5`. The weight used is saved
+            with the model. `0` is the paper's loss
             (`keras_duq.PAPER_SETTINGS`).
         clipnorm: float > 0 or `None`, clips each weight's gradient to this
             L2 norm before the optimizer's step, as the optimizer argument of
             the same name does (under loss scaling: the unscaled gradient).
             It keeps a backbone trained from scratch from growing faster
-            than its BatchNormalization statistics follow, which made the
-            centroids diverge on CIFAR-10 with SGD. Where the optimizer clips
+            than its BatchNormalization statistics follow, which would
+            make the centroids diverge. Where the optimizer clips
             its gradients itself (`clipnorm`, `global_clipnorm` or
             `clipvalue`), the optimizer's setting rules instead. `None` turns
             it off, as in the paper (`keras_duq.PAPER_SETTINGS`). Defaults
@@ -540,7 +538,7 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
         exports to every format but LiteRT, whose built-in operators have
         no float16 matrix multiply. Loading needs only the format's
         runtime (`tf.saved_model.load`, `onnxruntime`, `ai_edge_litert`,
-        `openvino`, `torch.export.load`); `docs/serving.md` shows each.
+        `openvino`, `torch.export.load`).
 
         Example:
 
@@ -613,7 +611,7 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
             "weight_decay": self.weight_decay,
             "bce_epsilon": self.bce_epsilon,
             "categorical_cross_entropy_weight": self.categorical_cross_entropy_weight,
-            "categorical_cross_entropy_per_example": True,
+            **_saved_configs.MODEL_MARKERS,
             "clipnorm": self.clipnorm,
             "health_checks": self.health_checks,
             "penalty_input": self.penalty_input,
@@ -623,24 +621,16 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
     def from_config(
         cls, config: dict[str, Any], custom_objects: dict[str, Any] | None = None
     ) -> DUQModel:
-        # Files saved before the categorical term or clipping existed
-        # trained without them. Copied: Keras's deserialisation consumes the
-        # nested configs, and the caller's `config` stays usable.
-        config = {
-            "categorical_cross_entropy_weight": 0.0,
-            "clipnorm": None,
-            **copy.deepcopy(config),
-        }
-        per_example = config.pop("categorical_cross_entropy_per_example", False)
+        # Copied: Keras's deserialisation consumes the nested configs, and the
+        # caller's `config` stays usable.
+        config = copy.deepcopy(config)
         feature_extractor = keras.saving.deserialize_keras_object(
             config.pop("feature_extractor"), custom_objects=custom_objects
         )
         duq_output = keras.saving.deserialize_keras_object(
             config.pop("duq_output"), custom_objects=custom_objects
         )
-        if not per_example:
-            # Saved when the weight was divided by the number of classes.
-            config["categorical_cross_entropy_weight"] /= duq_output.num_classes
+        config = _saved_configs.model_config(config, duq_output.num_classes)
         outputs = duq_output(feature_extractor.output)
         return cls(feature_extractor.input, outputs, **config)
 

@@ -9,6 +9,7 @@ from keras import ops
 
 from keras_duq import _ops
 from keras_duq import _replicas
+from keras_duq import _saved_configs
 from keras_duq._typing import Tensor
 from keras_duq._validation import check_int
 from keras_duq._validation import check_positive
@@ -16,21 +17,19 @@ from keras_duq._validation import check_positive
 DEFAULT_KERNEL_INITIALIZER = "he_normal"
 # The default centroid size is the number of features, capped here: the head
 # has `features * centroid_dims * num_classes` weights, which without the cap
-# grows with the square of a wide backbone's width (42M for ResNet50's 2048
-# features and 10 classes; 5.2M with it). The paper's FashionMNIST model
-# (256 features) is unchanged by the cap.
+# grows with the square of a wide backbone's width. The paper's FashionMNIST
+# model (256 features) is unchanged by the cap.
 MAX_DEFAULT_CENTROID_DIMS = 256
-# `W` learns at a tenth of the optimizer's rate: on every backbone measured it
-# kept more of the out-of-distribution separation that the backbone's
-# features hold (docs/own_model.md). The paper trains `W` at the full rate.
+# `W` learns at a tenth of the optimizer's rate: it stays closer to its random
+# start, which keeps more of the out-of-distribution separation that the
+# backbone's features hold. The paper trains `W` at the full rate.
 DEFAULT_PROJECTION_LEARNING_RATE = 0.1
 PAPER_PROJECTION_LEARNING_RATE = 1.0
 HEADS = ("auto", "per_class", "shared")
 # `head="auto"` keeps the paper's per-class head up to this many projection
 # values (`features * centroid_dims * num_classes`; 64 MB of float32, three
 # times that with Adam's moments) and takes the shared head above it. The
-# per-class head's training step grows with this product (docs/many_classes.md
-# measures it against a softmax step); the shared head holds
+# per-class head's training step grows with this product; the shared head holds
 # `features * centroid_dims` values whatever the number of classes.
 MAX_PER_CLASS_HEAD_VALUES = 2**24
 
@@ -113,12 +112,12 @@ class DUQOutput(keras.layers.Layer):
             scaled by the fan-in, so the projected features keep the scale of
             the input features whatever their number. Small models can do
             better with a larger scale (the two-moons demo uses
-            `RandomNormal(stddev=1.0)`, see the README).
+            `RandomNormal(stddev=1.0)`).
         trainable_length_scale: bool, whether to learn one length scale per
             class by gradient descent. Defaults to `False`. The length
             scales learn at the optimizer's full rate: with Adam at its
             default rate they settle, with SGD at the paper's rate they can
-            grow far past a useful scale (measured in docs/own_model.md).
+            grow far past a useful scale.
         trainable_projection: bool, whether `W` is learned (as in the
             paper) or stays at its random initial value, a fixed random
             projection of the features. Defaults to `True`.
@@ -126,9 +125,8 @@ class DUQOutput(keras.layers.Layer):
             as a multiple of the optimizer's learning rate. Defaults to
             `0.1`: `W` stays closer to its random initial value, which keeps
             more of the separation of out-of-distribution inputs that the
-            backbone's features hold (docs/own_model.md). `1.0` trains `W`
-            like every other weight, as the paper does
-            (docs/beyond_fashion_mnist.md compares both). Exact for
+            backbone's features hold. `1.0` trains `W` like every other
+            weight, as the paper does. Exact for
             optimizers whose step is proportional to the learning rate (SGD,
             Adam and their kin):
             `kernel` holds `W / projection_learning_rate`, and the layer
@@ -137,8 +135,8 @@ class DUQOutput(keras.layers.Layer):
             bias-corrected (as Adam's moment estimates are). `False` starts
             the state as the paper does, as if every class had already been
             seen 12 times at a random centroid: with `momentum=0.999` the
-            centroids are still ~98% random after 16 steps of batch 128 and
-            10 classes, and short trainings give near-zero certainty
+            centroids owe most of their value to their random start for
+            hundreds of steps, and short trainings give near-zero certainty
             everywhere. `True` makes each centroid the momentum-weighted
             average of its class's embeddings from the first batch that
             contains the class on.
@@ -149,7 +147,7 @@ class DUQOutput(keras.layers.Layer):
             values), with one centroid per class in its space. `"auto"`
             takes the per-class head while it has at most 2**24 values
             (16.8M; e.g. 10 classes on 2048 features, 150 on 128) and the
-            shared head above (docs/many_classes.md).
+            shared head above.
         **kwargs: base layer keyword arguments such as `name`. The layer's
             dtype is always float32.
 
@@ -428,16 +426,7 @@ class DUQOutput(keras.layers.Layer):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> DUQOutput:
-        # A config saved before `projection_learning_rate` existed describes
-        # a layer that trained `W` at the optimizer's rate, and whose
-        # `kernel` holds `W` itself.
-        # One saved before `head` existed has the per-class head.
-        config = {
-            "projection_learning_rate": PAPER_PROJECTION_LEARNING_RATE,
-            "head": "per_class",
-            **config,
-        }
-        return super().from_config(config)
+        return super().from_config(_saved_configs.output_config(config))
 
 
 def resolve_head(head: str, features: int, centroid_dims: int, num_classes: int) -> str:

@@ -247,7 +247,6 @@ class JAXTrainer(_trainer.Trainer):
         call returns is still the one the failed step received. The last
         call's code is read by `_check_pending_errors`, which
         `jax_state_sync` calls at the end of every epoch and evaluation.
-        `reproduction/studies/jax_error_check.py` measures the difference.
         """
         make(force)
         function = getattr(self, attribute)

@@ -452,7 +452,7 @@ class Trainer:
         on every step, which an adaptive optimizer (Adam) scales up to a
         step of about its full learning rate towards zero: the rows of rare
         tokens were erased between their occurrences, and the table's
-        sparse gradient became a dense one (docs/text.md).
+        sparse gradient became a dense one.
         """
         embeddings = self._embedding_weight_ids()
         if not embeddings:

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import inspect
-
 import keras
 import numpy as np
 
-from keras_duq._wrap import wrap
+from keras_duq._wrap import argument_names
 
 # The arguments `search` chooses itself.
 SEARCHED = ("length_scale", "gradient_penalty")
@@ -22,11 +20,7 @@ def check_wrap_kwargs(wrap_kwargs):
             "`length_scales=[...]` or `gradient_penalties=[...]` instead. "
             f"Received: {', '.join(f'`{k}={wrap_kwargs[k]!r}`' for k in searched)}"
         )
-    accepted = [
-        name
-        for name in inspect.signature(wrap).parameters
-        if name not in ("backbone", "num_classes") + SEARCHED
-    ]
+    accepted = [name for name in argument_names() if name not in SEARCHED]
     unknown = [key for key in wrap_kwargs if key not in accepted]
     if unknown:
         raise ValueError(

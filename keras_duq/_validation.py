@@ -63,8 +63,7 @@ NON_FINITE_TRAINING_MESSAGE = (
     "moving statistics follow (SGD at a high rate from scratch): the "
     "inference-mode features that update the centroids run away (keep "
     "gradient clipping on: the model's `clipnorm`, 1.0 unless it was turned "
-    "off, or the optimizer's; or pass `projection_learning_rate=1.0`; "
-    "docs/beyond_fashion_mnist.md)."
+    "off, or the optimizer's; or pass `projection_learning_rate=1.0`)."
 )
 
 NON_FINITE_STEP_MESSAGE = (

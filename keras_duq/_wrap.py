@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
 import types
 from collections.abc import Sequence
 from typing import Any
 
 import keras
 
-from keras_duq._duq_model import DEFAULT_CLIPNORM
-from keras_duq._duq_model import DEFAULT_GRADIENT_PENALTY
 from keras_duq._duq_model import DUQModel
-from keras_duq._duq_output import DEFAULT_KERNEL_INITIALIZER
-from keras_duq._duq_output import DEFAULT_PROJECTION_LEARNING_RATE
 from keras_duq._duq_output import PAPER_PROJECTION_LEARNING_RATE
 from keras_duq._duq_output import DUQOutput
 
@@ -35,28 +32,9 @@ def wrap(
     backbone: keras.Model | keras.layers.Layer,
     num_classes: int,
     *,
-    centroid_dims: int | None = None,
-    length_scale: float = 0.1,
-    momentum: float = 0.999,
-    kernel_initializer: str | keras.initializers.Initializer = (
-        DEFAULT_KERNEL_INITIALIZER
-    ),
-    gradient_penalty: float = DEFAULT_GRADIENT_PENALTY,
-    penalty: str = "two_sided",
-    penalty_interval: int = 1,
-    weight_decay: float | None = None,
-    bce_epsilon: float = 0.0,
-    categorical_cross_entropy_weight: float | None = None,
-    trainable_length_scale: bool = False,
-    bias_correction: bool = False,
-    trainable_projection: bool = True,
-    projection_learning_rate: float = DEFAULT_PROJECTION_LEARNING_RATE,
-    head: str = "auto",
-    clipnorm: float | None = DEFAULT_CLIPNORM,
-    health_checks: bool = True,
-    penalty_input: str | None = None,
     input_shape: Sequence[int | None] | None = None,
     name: str | None = None,
+    **kwargs: Any,
 ) -> DUQModel:
     """Turns a Keras backbone into a DUQ model.
 
@@ -98,71 +76,26 @@ def wrap(
             `(batch, features)`: Sequential, functional, subclassed,
             `keras.applications` (with `include_top=False, pooling="avg"`).
         num_classes: int >= 2, number of classes.
-        centroid_dims: int or `None`, size of the centroids. `None` (default)
-            uses the number of backbone features, at most 256 (see
-            `DUQOutput`).
-        length_scale: float > 0, RBF length scale. Defaults to `0.1`.
-        momentum: float in `[0, 1)`, centroid moving-average momentum.
-            Defaults to `0.999`.
-        kernel_initializer: initializer of the per-class projections `W`.
-            Defaults to `"he_normal"`.
-        gradient_penalty: float >= 0, weight of the gradient penalty; `0`
-            turns it off. Defaults to `0.1`.
-        penalty: `"two_sided"` (default) or `"one_sided"`.
-        penalty_interval: int >= 1, compute the penalty on every
-            `penalty_interval`-th step only, weighted by `penalty_interval`
-            there (see `DUQModel`). Defaults to `1`: every step.
-        weight_decay: float >= 0 or `None`, coupled L2 weight decay (each
-            gradient gets `+ weight_decay * w`) on every weight but embedding
-            tables. `None` (default): the paper's `1e-4` under
-            `keras.optimizers.SGD`, `0` under any other optimizer, which
-            decays with its own `weight_decay` (see `DUQModel`).
-        bce_epsilon: float >= 0, floor of `K (1 - K)` in the cross-entropy
-            gradient's denominator; `0` (default) is the exact gradient,
-            `1e-12` that of the paper's PyTorch code (see `DUQModel`).
-        categorical_cross_entropy_weight: float >= 0 or `None`, weight per
-            example of a categorical cross-entropy over the classes'
-            distances added to the paper's loss (see `DUQModel`); `0` is the
-            paper's loss. `None` (default) takes `1.0`, or more when the
-            backbone's features come straight out of a dropout layer (3 at
-            rate 0.5).
-        trainable_length_scale: bool, learn one length scale per class, at
-            the optimizer's full rate (see `DUQOutput`). Defaults to
-            `False`.
-        bias_correction: bool, bias-correct the centroid moving average
-            (see `DUQOutput`). Defaults to `False`.
-        trainable_projection: bool, learn the per-class projections `W`
-            (as in the paper), or keep them at their random initial values
-            (see `DUQOutput`). Defaults to `True`.
-        projection_learning_rate: float > 0, the rate at which `W` learns,
-            as a multiple of the optimizer's. Defaults to `0.1`, which keeps
-            more separation of out-of-distribution inputs; `1.0` is the
-            paper's (see `DUQOutput`).
-        head: `"auto"` (default), `"per_class"` (the paper's: one
-            projection per class) or `"shared"` (one projection for all
-            classes, for many classes); `"auto"` takes the per-class head
-            up to 2**24 projection values (see `DUQOutput`).
-        clipnorm: float > 0 or `None`, clips each weight's gradient to this
-            L2 norm before the optimizer's step, unless the optimizer clips
-            its gradients itself (see `DUQModel`). `None` turns it off, as
-            in the paper. Defaults to `1.0`.
-        health_checks: bool, whether `fit`, `evaluate` and `predict` warn
-            (once per cause, with a `keras_duq.DUQHealthWarning`) about
-            DUQ's failure modes and log the numbers behind them (see
-            `DUQModel`). Defaults to `True`.
-        penalty_input: name of a backbone layer, or `None` (default). With
-            a name, the gradient penalty is taken with respect to that
-            layer's output instead of the model's floating-point inputs:
-            for token ids, name the `Embedding` layer, e.g.
-            `penalty_input="embedding"` (see `DUQModel`).
         input_shape: tuple, the input shape without the batch dimension.
             Needed only when the backbone does not define its inputs (a
             subclassed model, or a Sequential model without `keras.Input`).
         name: optional model name.
+        **kwargs: by name, the arguments of the head, `DUQOutput`
+            (`centroid_dims`, `length_scale`, `momentum`,
+            `kernel_initializer`, `trainable_length_scale`,
+            `bias_correction`, `trainable_projection`,
+            `projection_learning_rate`, `head`), and of the model,
+            `DUQModel` (`gradient_penalty`, `penalty`, `penalty_interval`,
+            `weight_decay`, `bce_epsilon`,
+            `categorical_cross_entropy_weight`, `clipnorm`,
+            `health_checks`, `penalty_input`), with the defaults and
+            meanings documented there. `**keras_duq.PAPER_SETTINGS` gives
+            the paper's method. Any other name raises a `TypeError`.
 
     Returns:
         A `DUQModel`.
     """
+    layer_kwargs, model_kwargs = _split_kwargs(kwargs)
     inputs = _model_inputs(backbone, input_shape)
     features = backbone(inputs)
     if isinstance(features, (list, tuple, dict)):
@@ -180,33 +113,44 @@ def wrap(
             "`keras.layers.Flatten()` as the backbone's last layer, or for "
             "`keras.applications` pass `include_top=False, pooling='avg'`."
         )
-    outputs = DUQOutput(
-        num_classes=num_classes,
-        centroid_dims=centroid_dims,
-        length_scale=length_scale,
-        momentum=momentum,
-        kernel_initializer=kernel_initializer,
-        trainable_length_scale=trainable_length_scale,
-        bias_correction=bias_correction,
-        trainable_projection=trainable_projection,
-        projection_learning_rate=projection_learning_rate,
-        head=head,
-        name="duq_output",
-    )(features)
-    return DUQModel(
-        inputs,
-        outputs,
-        gradient_penalty=gradient_penalty,
-        penalty=penalty,
-        penalty_interval=penalty_interval,
-        weight_decay=weight_decay,
-        bce_epsilon=bce_epsilon,
-        categorical_cross_entropy_weight=categorical_cross_entropy_weight,
-        clipnorm=clipnorm,
-        health_checks=health_checks,
-        penalty_input=penalty_input,
-        name=name,
+    outputs = DUQOutput(num_classes, name="duq_output", **layer_kwargs)(features)
+    return DUQModel(inputs, outputs, name=name, **model_kwargs)
+
+
+def _own_arguments(cls, *skipped):
+    """The names of `cls.__init__`'s own arguments, but `skipped`."""
+    return tuple(
+        name
+        for name, parameter in inspect.signature(cls.__init__).parameters.items()
+        if parameter.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+        and name not in ("self", *skipped)
     )
+
+
+def argument_names():
+    """The keyword arguments `wrap` takes: its own, `DUQOutput`'s and `DUQModel`'s."""
+    return (
+        ("input_shape", "name")
+        + _own_arguments(DUQOutput, "num_classes")
+        + _own_arguments(DUQModel, "inputs", "outputs")
+    )
+
+
+def _split_kwargs(kwargs):
+    """`wrap`'s keyword arguments as `(DUQOutput's, DUQModel's)`."""
+    layer_names = _own_arguments(DUQOutput, "num_classes")
+    model_names = _own_arguments(DUQModel, "inputs", "outputs")
+    unknown = sorted(set(kwargs) - set(layer_names) - set(model_names))
+    if unknown:
+        raise TypeError(
+            f"`wrap` got unexpected keyword arguments {unknown}. It takes "
+            f"`input_shape`, `name`, the arguments of `DUQOutput` {list(layer_names)} "
+            f"and those of `DUQModel` {list(model_names)}. "
+            f"Received: {', '.join(f'`{k}={kwargs[k]!r}`' for k in unknown)}"
+        )
+    layer_kwargs = {k: v for k, v in kwargs.items() if k in layer_names}
+    model_kwargs = {k: v for k, v in kwargs.items() if k in model_names}
+    return layer_kwargs, model_kwargs
 
 
 def _model_inputs(

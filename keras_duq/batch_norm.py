@@ -325,7 +325,7 @@ class RecomputeBatchNormStatistics(keras.callbacks.Callback):
     statistics) and at the end of `fit`. A short training, or Keras's default
     BatchNormalization `momentum=0.99`, leaves the moving statistics behind
     the weights, and inference mode (`evaluate`, `predict`) computes what
-    training never saw (measured in docs/own_model.md). The weights go on
+    training never saw. The weights go on
     training with each batch's own statistics and the moving averages go on
     from the re-estimated values; a DUQ model's centroid updates, which
     compute features in inference mode, use them from the next step on.

@@ -30,8 +30,7 @@ if TYPE_CHECKING:
     import tensorflow as tf
 
 # Pixel mean and standard deviation of the FashionMNIST training images,
-# scaled to [0, 1] (the values of the paper's reference code; measured on the
-# 60,000 images: 0.28604, 0.35302).
+# scaled to [0, 1], as the paper's reference code rounds them.
 FASHION_MNIST_MEAN = 0.2861
 FASHION_MNIST_STD = 0.3530
 # A fixed buffer instead of `tf.data.AUTOTUNE` (see `make_dataset`): batches
@@ -247,13 +246,11 @@ def make_dataset(
     `repeat=True`. `fit`, `evaluate`, `predict` and
     `keras_duq.callbacks.OODEvaluation` take either.
 
-    `tf.data`'s autotuning is turned off in the returned dataset's options.
-    With it on, `fit` sometimes returned tens of seconds after its last
-    batch: dropping an iterator that has not reached the end of a repeated
-    dataset waited for the autotuning thread's next wake-up, up to a minute
-    later. This pipeline has nothing to tune (a batch comes from memory in
-    about a millisecond). To turn autotuning back on, e.g. after adding your
-    own parallel `map`:
+    `tf.data`'s autotuning is turned off in the returned dataset's options:
+    dropping an iterator that has not reached the end of a repeated dataset
+    waits for the autotuning thread's next wake-up, and this pipeline, whose
+    batches come from memory, has nothing to tune. To turn autotuning back
+    on, e.g. after adding your own parallel `map`:
 
     ```python
     options = tf.data.Options()

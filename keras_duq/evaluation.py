@@ -25,7 +25,8 @@ evaluation.ood_metrics(in_certainty, ood_certainty)
 # {"auroc": ..., "aupr": ..., "fpr_at_95_tpr": ...}
 ```
 
-See docs/calibration.md for calibration and selective prediction.
+The calibration and selective-prediction functions turn the certainty into a
+probability of being right, and into a threshold that refuses inputs.
 """
 
 from __future__ import annotations

@@ -186,14 +186,15 @@ def plot_roc_curve(
     axes, created = _axes(ax, figsize=(5, 5))
     name = f"{label} " if label else ""
     axes.plot(fpr, tpr, color="tab:blue", label=f"{name}(AUROC {auroc:.3f})")
-    axes.plot([0, 1], [0, 1], color="grey", linestyle=":", label="chance")
-    axes.set(
-        xlim=(0.0, 1.0),
+    return _finish_with_reference(
+        axes,
+        created,
+        title,
+        ([0, 1], [0, 1], {"color": "grey", "linestyle": ":", "label": "chance"}),
         ylim=(0.0, 1.01),
         xlabel="false positive rate (in-distribution flagged as OoD)",
         ylabel="true positive rate (OoD flagged)",
     )
-    return _finish(axes, created, title, legend_loc="lower right")
 
 
 @_documents_axes
@@ -274,19 +275,18 @@ def plot_rejection_curve(
         color="tab:blue",
         label=label or "model",
     )
-    axes.plot(
-        curve["rejected_fraction"],
-        curve["oracle_accuracy"],
-        color="black",
-        linestyle="--",
-        label="theoretical maximum",
-    )
-    axes.set(
-        xlim=(0.0, 1.0),
+    return _finish_with_reference(
+        axes,
+        created,
+        title,
+        (
+            curve["rejected_fraction"],
+            curve["oracle_accuracy"],
+            {"color": "black", "linestyle": "--", "label": "theoretical maximum"},
+        ),
         xlabel="fraction of data rejected (least certain first)",
         ylabel="accuracy on the kept data",
     )
-    return _finish(axes, created, title, legend_loc="lower right")
 
 
 @_documents_axes
@@ -442,3 +442,18 @@ def _finish(
         # Only a figure made here: a caller's layout is the caller's.
         axes.figure.tight_layout()
     return axes
+
+
+def _finish_with_reference(
+    axes: matplotlib.axes.Axes,
+    created: bool,
+    title: str | None,
+    reference: tuple[Any, Any, dict[str, Any]],
+    **settings: Any,
+) -> matplotlib.axes.Axes:
+    """A curve's plot ended: its reference line `(x, y, style)`, axes from 0 to
+    1 along x, the legend at the lower right."""
+    x, y, style = reference
+    axes.plot(x, y, **style)
+    axes.set(xlim=(0.0, 1.0), **settings)
+    return _finish(axes, created, title, legend_loc="lower right")

@@ -124,11 +124,9 @@ def test_plots_without_matplotlib_raise_an_actionable_error(monkeypatch):
         plots.plot_certainty_histograms(np.array([0.9, 0.8]), np.array([0.1, 0.2]))
 
 
-def test_moved_names_still_work_with_a_deprecation_warning():
-    from keras_duq import evaluation
-
-    with pytest.warns(DeprecationWarning, match="keras_duq.evaluation.ood_metrics"):
-        assert keras_duq.ood_metrics is evaluation.ood_metrics
+def test_public_names_have_one_home_and_a_missing_one_names_the_submodules():
+    with pytest.raises(AttributeError, match=r"'ood_metrics'.*keras_duq\.evaluation"):
+        keras_duq.ood_metrics  # noqa: B018
     assert set(keras_duq.__all__) == {
         "DUQModel",
         "DUQOutput",

@@ -470,7 +470,7 @@ def _rows(dataset, index):
 @pytest.mark.requires_backend("tensorflow")  # tf.data feeding
 def test_arrays_reach_fit_as_keras_batches_without_autotuning():
     # With autotuning on, a whole `fit` on arrays took up to twice its steps'
-    # time (reproduction/studies/fit_overhead.py); the batches must stay Keras's own.
+    # time (research/reproduction/studies/fit_overhead.py); the batches must stay Keras's own.
     model = _compiled()
     x, y = _data(n=70)
     arguments = _fit_arguments(model, x, y, 32, validation_split=0.2)

@@ -3,7 +3,7 @@
 The quick runs train for a step or an epoch on a few hundred examples, so
 their metrics mean nothing: the tests check that each tutorial runs, computes
 what it teaches and writes its outputs, not how well it learns (the
-reproduction/ tests and docs cover that).
+research/reproduction/ tests and docs cover that).
 """
 
 import json

@@ -180,7 +180,7 @@ def test_export_matches_predict_loaded_with_tensorflow_alone(tmp_path):
 def test_a_tf_serving_request_built_with_the_client_package_runs_the_signature(
     tmp_path,
 ):
-    """The gRPC request of docs/serving.md, built with `tensorflow-serving-api`,
+    """The gRPC request of docs/guide/serving.md, built with `tensorflow-serving-api`,
     names a signature and input that the export has, and its response tensors
     decode to `predict`'s outputs (the server itself cannot be installed here:
     the signature runs in its place, on the request's own bytes)."""

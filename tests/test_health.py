@@ -285,12 +285,39 @@ def test_collapsed_features_warn_about_overlapping_centroids_and_a_constant_pena
 # ------------------------------------------------------------ no false alarm
 
 
+def _two_moons_model():
+    """examples/two_moons.py's spectrally normalised residual model."""
+
+    def sn_dense(units):
+        return keras_duq.SpectralNormalization(
+            keras.layers.Dense(units), coefficient=3.0
+        )
+
+    inputs = keras.Input((2,))
+    features = sn_dense(32)(inputs)
+    for _ in range(2):
+        features = features + keras.layers.ReLU()(sn_dense(32)(features))
+    model = keras_duq.wrap(
+        keras.Model(inputs, features),
+        num_classes=2,
+        centroid_dims=10,
+        length_scale=0.3,
+        momentum=0.99,
+        kernel_initializer=keras.initializers.RandomNormal(stddev=1.0),
+        gradient_penalty=1.0,
+    )
+    model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9))
+    return model
+
+
 def test_healthy_two_moons_model_gives_no_health_warning():
-    from reproduction import two_moons
+    from sklearn.datasets import make_moons
 
     keras.utils.set_random_seed(0)
-    (x, y), (x_test, y_test), _ = two_moons.make_data(seed=0)
-    model = two_moons.build_model()
+    x, y = make_moons(1500, noise=0.1, random_state=0)
+    x_test, y_test = make_moons(500, noise=0.1, random_state=1000)
+    x, x_test = x.astype("float32"), x_test.astype("float32")
+    model = _two_moons_model()
     with _Recorder() as recorder:
         history = _fit(
             model, x, y, epochs=6, batch_size=64, validation_data=(x_test, y_test)

@@ -31,8 +31,8 @@ def test_imports_and_trains_without_tensorflow(tmp_path):
 def test_fashion_mnist_example_runs_without_tensorflow(
     tmp_path, mnist_dir, fashion_mnist_dir
 ):
-    # The GPU machine has JAX but no TensorFlow: the example's data pipeline
-    # (`make_dataset`) and OoD callback must work without it.
+    # Where JAX is installed without TensorFlow, the loaders, the data
+    # pipeline (`make_dataset`) and the OoD callback must work.
     out = run(
         "fashion_mnist_example.py",
         args=[str(mnist_dir), str(fashion_mnist_dir), str(tmp_path)],
@@ -45,7 +45,6 @@ def test_fashion_mnist_example_runs_without_tensorflow(
     )
     assert len(out["history"]["ood_auroc"]) == 2  # the OoD callback ran each epoch
     assert 0.0 <= out["accuracy"] <= 1.0 and 0.0 <= out["auroc"] <= 1.0
-    assert (tmp_path / "results.json").is_file()
 
 
 def test_bad_batches_raise_before_any_state_changes():

@@ -3,7 +3,7 @@
 Tiny models and one epoch per trial: these tests check the API, the input
 checks and the selection rules, which hold by construction on whatever the
 trials measure. Whether the choice is good is measured on two moons by
-benchmarks/tuning_two_moons.py (docs/tuning.md).
+research/benchmarks/tuning_two_moons.py (docs/tuning.md).
 """
 
 import json

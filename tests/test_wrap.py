@@ -269,3 +269,10 @@ def test_bad_arguments(kwargs, name):
     backbone = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
     with pytest.raises(ValueError, match=f"(?s){name}.*Received"):
         keras_duq.wrap(backbone, **kwargs)
+
+
+def test_an_argument_of_neither_the_head_nor_the_model_raises_before_building():
+    backbone = keras.Sequential([keras.Input((5,)), keras.layers.Dense(6)])
+    with pytest.raises(TypeError, match=r"length_scal\b.*Received: `length_scal=0.3`"):
+        keras_duq.wrap(backbone, num_classes=2, length_scal=0.3)
+    assert not backbone._inbound_nodes[1:]  # the backbone was not called

@@ -338,8 +338,7 @@ def compare_modes(model, inputs, chunk_size=None):
     Reuses the last comparison when `inputs`, `chunk_size` and every weight
     of the model are the same: `fit`'s last epoch, its end and a `predict`
     in a callback would otherwise each pass the sample three times through
-    the same model (the CIFAR-10 ResNet-18 on 512 images: about 50 s each
-    on 2 shared CPU cores).
+    the same model.
     """
     if inputs is None:
         return None
@@ -415,8 +414,7 @@ def check_predictions(model: DUQModel, kernel_values: Any) -> None:
 def check_input_scale(model, inputs):
     """Warns when floating-point training inputs are far from standardised.
 
-    Only for backbones without a normalising layer (docs/own_model.md has
-    the measurements).
+    Only for backbones without a normalising layer.
     """
     if any(
         isinstance(layer, rules.NORMALIZING_LAYERS)
@@ -446,8 +444,8 @@ def check_input_scale(model, inputs):
             f"standard deviation {std:.3g} on a sample of {values.shape[0]}) and "
             "the backbone has no normalisation layer. DUQ's gradient penalty acts "
             "on the input gradient, and its certainty separates "
-            "out-of-distribution inputs far better on standardised inputs "
-            "(docs/own_model.md). Standardise every set with the training set's "
+            "out-of-distribution inputs far better on standardised inputs. "
+            "Standardise every set with the training set's "
             "mean and standard deviation (`keras_duq.datasets.normalize` for "
             "FashionMNIST-like images), or make a `keras.layers.Normalization()` "
             "adapted on the training inputs the backbone's first layer.",
@@ -476,8 +474,7 @@ def feature_noise_layer(layer):
 
 
 def check_feature_noise(model):
-    """Warns when the features come out of a dropout or noise layer (the
-    measurement behind it: docs/own_model_measurements.md, "Dropout right before the head")."""
+    """Warns when the features come out of a dropout or noise layer."""
     layer = feature_noise_layer(model.feature_extractor)
     if layer is None:
         return
@@ -494,10 +491,9 @@ def check_feature_noise(model):
         "centroid over twice the squared length scale) are far more sensitive "
         "to that noise than a softmax head: the defaults weigh the categorical "
         "term more behind dropout (this model: "
-        f"`categorical_cross_entropy_weight={weight:g}`), and the backbones "
-        "measured still separated out-of-distribution inputs better without "
-        'the layer (docs/own_model_measurements.md, "The categorical weight behind '
-        'dropout"). Remove that layer from the backbone (the gradient '
+        f"`categorical_cross_entropy_weight={weight:g}`), yet the certainty "
+        "separates out-of-distribution inputs better without the layer. "
+        "Remove that layer from the backbone (the gradient "
         "penalty regularises DUQ), or move it before the backbone's last "
         "Dense layer.",
     )

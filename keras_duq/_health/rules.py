@@ -1,7 +1,6 @@
 """The health checks' rules: each threshold, and why it is where it is.
 
-The checks read them as `rules.NAME` (a test may patch one); the
-measurements behind them are in docs/health_checks.md.
+The checks read them as `rules.NAME` (a test may patch one).
 """
 
 from __future__ import annotations
@@ -25,9 +24,9 @@ NEGLIGIBLE_CERTAINTY = 1e-3
 ZERO_GRADIENT_NORM = 1e-3
 # Relative RMS distance between the inference-mode features and those that
 # statistics re-estimated on the sample (`SAMPLE_SIZE` examples) would give,
-# above which the statistics warn. Per-layer errors of 0.1-0.2 standard
-# deviations add up over layers; the measurements behind the threshold are
-# in docs/health_checks.md ("BatchNormalization statistics that lag").
+# above which the statistics warn. Moving statistics that follow the weights
+# still scatter by a fraction of a standard deviation per layer, and these
+# errors add up over layers: the threshold sits above that scatter.
 BATCH_NORM_GAP = 0.15
 # The per-epoch comparison of the modes takes at most this share of the
 # training time (it only logs `batch_norm_gap`; the warnings come from the
@@ -57,8 +56,7 @@ DEFAULT_CHUNK_SIZE = 32
 SAMPLE_BYTES = 64 * 2**20
 LISTED_LAYERS = 5
 # Layers that put their inputs on a known scale: a backbone with one of them
-# does not depend on its inputs being standardised (measured in
-# docs/own_model.md).
+# does not depend on its inputs being standardised.
 NORMALIZING_LAYERS = (
     keras.layers.Normalization,
     keras.layers.Rescaling,
