@@ -13,6 +13,7 @@ The core:
   centroid moving-average state).
 - `DUQModel`: the model with the DUQ training step (loss, gradient penalty by
   double backprop, coupled weight decay, centroid update).
+- `DUQBatchError`: what a rejected batch or training step raises.
 - `DUQHealthWarning` and its subclasses: what `fit`, `evaluate` and
   `predict` warn about when DUQ fails quietly; and
   `recompute_batch_norm_statistics(model, x)`, the fix for unsettled
@@ -53,6 +54,7 @@ import importlib
 
 from keras_duq._duq_model import DUQModel
 from keras_duq._duq_output import DUQOutput
+from keras_duq._errors import DUQBatchError
 from keras_duq._health import BatchNormStatisticsWarning
 from keras_duq._health import CentroidWarning
 from keras_duq._health import ConstantPenaltyWarning
@@ -60,6 +62,7 @@ from keras_duq._health import DUQHealthWarning
 from keras_duq._health import FeatureDropoutWarning
 from keras_duq._health import InputScaleWarning
 from keras_duq._health import KernelUnderflowWarning
+from keras_duq._health import LowCertaintyWarning
 from keras_duq._spectral_normalization import SpectralNormalization
 from keras_duq._spectral_normalization import spectral_normalize
 from keras_duq._wrap import PAPER_SETTINGS
@@ -71,6 +74,7 @@ __version__ = "0.2.0"
 __all__ = [
     "BatchNormStatisticsWarning",
     "CentroidWarning",
+    "DUQBatchError",
     "ConstantPenaltyWarning",
     "DUQHealthWarning",
     "DUQModel",
@@ -78,6 +82,7 @@ __all__ = [
     "FeatureDropoutWarning",
     "InputScaleWarning",
     "KernelUnderflowWarning",
+    "LowCertaintyWarning",
     "PAPER_SETTINGS",
     "SpectralNormalization",
     "recompute_batch_norm_statistics",

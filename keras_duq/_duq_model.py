@@ -427,16 +427,8 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
     def fit(self, *args: Any, **kwargs: Any) -> keras.callbacks.History:
         args, kwargs = self._prepared_call(super().fit, "fit", args, kwargs)
         iterations = _trainer.optimizer_steps_or_zero(self)
-        with _failed_call_guard(self), _empty_data_error("fit"):
-            try:
-                history = super().fit(*args, **kwargs)
-            except UnboundLocalError:
-                raise  # no batches: `_empty_data_error` says so
-            except Exception as error:
-                rejected = _trainer.rejected_batch_error(self, error, iterations)
-                if rejected is None:
-                    raise
-                raise rejected from error
+        with _failed_call_guard(self, iterations), _empty_data_error("fit"):
+            history = super().fit(*args, **kwargs)
         ran_no_step = (
             _trainer.optimizer_steps_or_zero(self) == iterations
             and kwargs.get("epochs", 1) > kwargs.get("initial_epoch", 0)
@@ -470,7 +462,7 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
     @functools.wraps(keras.Model.train_on_batch)
     def train_on_batch(self, x: Any, y: Any = None, *args: Any, **kwargs: Any) -> Any:
         _data_checks.check_call_data(self, "fit", {"x": x, "y": y})
-        with _failed_call_guard(self):
+        with _failed_call_guard(self, _trainer.optimizer_steps_or_zero(self)):
             return super().train_on_batch(x, y, *args, **kwargs)
 
     @functools.wraps(keras.Model.test_on_batch)
@@ -661,9 +653,21 @@ def _arguments_for(method, name, args, kwargs, num_classes=None):
     return (), _BackendTrainer.prepare_arguments(name, arguments)
 
 
-def _failed_call_guard(model):
-    """What keeps a failed call from leaving the model unusable (see `_compat`)."""
-    return _compat.purged_values_restored_on_failure(model)
+@contextlib.contextmanager
+def _failed_call_guard(model, iterations=None):
+    """What keeps a failed call from leaving the model unusable (see `_compat`),
+    and a rejected batch's error typed (`DUQBatchError`; in training, with the
+    steps applied since `iterations`)."""
+    with _compat.purged_values_restored_on_failure(model):
+        try:
+            yield
+        except UnboundLocalError:
+            raise  # no batches: `_empty_data_error` says so
+        except Exception as error:
+            rejected = _trainer.rejected_batch_error(model, error, iterations)
+            if rejected is None or rejected is error:
+                raise
+            raise rejected from error
 
 
 @contextlib.contextmanager

@@ -269,7 +269,7 @@ class JAXTrainer(_trainer.Trainer):
                         new_state, training=attribute == "train_function"
                     )
                     _compat.mark_state_restored(self)
-                    raise ValueError(_trainer.error_message(code, self.num_classes))
+                    raise _trainer.batch_error(code, self.num_classes)
             return logs, new_state
 
         checked._duq_checked = True
@@ -282,7 +282,7 @@ class JAXTrainer(_trainer.Trainer):
             pending = self._pending(attribute)
             code, pending["code"], pending["calls"] = pending["code"], None, 0
             if code is not None and int(code):
-                raise ValueError(_trainer.error_message(int(code), self.num_classes))
+                raise _trainer.batch_error(code, self.num_classes)
 
     def _pending(self, attribute):
         # Outside Keras's attribute tracking; one record per function.

@@ -83,6 +83,53 @@ class TensorFlowTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
 
     input_gradients = _INPUT_GRADIENTS
 
+    def make_train_function(self, force=False):
+        self._error_code()
+        return super().make_train_function(force)
+
+    def make_test_function(self, force=False):
+        self._error_code()
+        return super().make_test_function(force)
+
+    def _error_code(self):
+        """The variable a step writes its error code into before its checks
+        fail, so that the graph error they raise can be told apart.
+
+        Made before the steps are traced, outside Keras's tracking (it is no
+        weight), one copy per replica (read with `_batch_error`).
+        """
+        variable = self.__dict__.get("_duq_error_code")
+        if variable is None:
+            with tf.init_scope(), self.distribute_strategy.scope():
+                variable = tf.Variable(
+                    0,
+                    dtype=tf.int32,
+                    trainable=False,
+                    name="duq_error_code",
+                    synchronization=tf.VariableSynchronization.ON_READ,
+                    aggregation=tf.VariableAggregation.SUM,
+                )
+            self.__dict__["_duq_error_code"] = variable
+        return variable
+
+    def _recorded(self, code):
+        """`code` (0: none) written into `_error_code()`; the written value."""
+        return self._error_code().assign(tf.cast(code, tf.int32))
+
+    def _batch_error(self, error):
+        if isinstance(error, tf.errors.InvalidArgumentError):
+            variable = self.__dict__.get("_duq_error_code")
+            if variable is None:
+                return None
+            strategy = self.distribute_strategy
+            code = max(
+                int(v.numpy()) for v in strategy.experimental_local_results(variable)
+            )
+            if code:
+                variable.assign(0)
+                return _trainer.batch_error(code, self.num_classes)
+        return super()._batch_error(error)
+
     def train_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         x, labels_one_hot, sample_weight, checks = self._validated_batch(
@@ -133,7 +180,8 @@ class TensorFlowTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
             checks = checks + [restored]
         else:
             applied = None
-            with tf.control_dependencies([restored]):
+            recorded = self._recorded(tf.where(finite, 0, _trainer.NON_FINITE_STEP))
+            with tf.control_dependencies([restored, recorded]):
                 checks = checks + [
                     tf.debugging.Assert(finite, [NON_FINITE_STEP_MESSAGE])
                 ]
@@ -195,13 +243,14 @@ class TensorFlowTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
         changes.
         """
         x, labels_one_hot, sample_weight, code = self._check_batch(x, y, sample_weight)
-        checks = [
-            tf.debugging.Assert(
-                tf.not_equal(code, error),
-                [_trainer.error_message(error, self.num_classes)],
-            )
-            for error in _trainer.BATCH_ERRORS
-        ]
+        with tf.control_dependencies([self._recorded(code)]):
+            checks = [
+                tf.debugging.Assert(
+                    tf.not_equal(code, error),
+                    [_trainer.error_message(error, self.num_classes)],
+                )
+                for error in _trainer.BATCH_ERRORS
+            ]
         with tf.control_dependencies(checks):
             x, labels_one_hot, sample_weight = tf.nest.map_structure(
                 lambda t: None if t is None else tf.identity(t),
@@ -271,7 +320,9 @@ class TensorFlowTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
         features = _maybe_xla(
             self, lambda x: self.feature_extractor(x, training=False)
         )(x)
-        assign_centroid_state(self.duq_output, features, labels_one_hot, rollback)
+        assign_centroid_state(
+            self.duq_output, features, labels_one_hot, rollback, self._recorded
+        )
 
     def _logs(self):
         logs = self.get_metrics_result()
@@ -329,15 +380,18 @@ def _lazy(model, gradients_and_losses, penalised, weights):
     return run
 
 
-def assign_centroid_state(layer, features, labels_one_hot, rollback=None):
+def assign_centroid_state(layer, features, labels_one_hot, rollback=None, record=None):
     """A `DUQOutput`'s centroid update on one batch, checked.
 
     The layer refuses a non-finite update (features that overflow, e.g.
     unnormalised inputs, must not turn the centroids into Inf/NaN for good);
-    here that puts `rollback`, `(variables, values)`, back and raises.
+    here that puts `rollback`, `(variables, values)`, back and raises, after
+    `record` (if given) has written the error code.
     """
     finite = layer.update_centroids(features, labels_one_hot)
     restored = [] if rollback is None else [_restore_unless(finite, *rollback)]
+    if record is not None:
+        restored.append(record(tf.where(finite, 0, _trainer.NON_FINITE_CENTROIDS)))
     with tf.control_dependencies(restored):
         tf.debugging.Assert(finite, [NON_FINITE_CENTROID_MESSAGE])
 

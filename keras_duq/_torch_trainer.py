@@ -133,7 +133,7 @@ class TorchTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
 
     def _raise(self, code):
         if code:
-            raise ValueError(_trainer.error_message(code, self.num_classes))
+            raise _trainer.batch_error(code, self.num_classes)
 
 
 def _all_finite(tensors):

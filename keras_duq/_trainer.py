@@ -41,39 +41,25 @@ from keras_duq import _compat
 from keras_duq import _health
 from keras_duq import _ops
 from keras_duq import _penalty_input
-from keras_duq._validation import FRACTIONAL_LABEL_MESSAGE
-from keras_duq._validation import NON_FINITE_CENTROID_MESSAGE
-from keras_duq._validation import NON_FINITE_INPUT_MESSAGE
-from keras_duq._validation import NON_FINITE_STEP_MESSAGE
+from keras_duq._errors import BATCH_ERRORS  # noqa: F401 (the steps' codes)
+from keras_duq._errors import FRACTIONAL_LABEL
+from keras_duq._errors import LABEL_RANGE
+from keras_duq._errors import NON_FINITE_CENTROIDS  # noqa: F401
+from keras_duq._errors import NON_FINITE_INPUT
+from keras_duq._errors import NON_FINITE_STEP  # noqa: F401
+from keras_duq._errors import DUQBatchError
+from keras_duq._errors import batch_error  # noqa: F401
+from keras_duq._errors import error_message  # noqa: F401
 from keras_duq._validation import is_float
 from keras_duq._validation import label_dtype_message
-from keras_duq._validation import label_range_message
 from keras_duq._validation import label_shape_message
 from keras_duq._validation import own_loss_message
 from keras_duq._validation import standardize_inputs
 from keras_duq._values import optimizer_steps
 
-# Error codes of a batch or step; 0 means none.
-LABEL_RANGE, FRACTIONAL_LABEL, NON_FINITE_INPUT = 1, 2, 3
-NON_FINITE_STEP, NON_FINITE_CENTROIDS = 4, 5
-BATCH_ERRORS = (LABEL_RANGE, FRACTIONAL_LABEL, NON_FINITE_INPUT)
-ALL_ERRORS = BATCH_ERRORS + (NON_FINITE_STEP, NON_FINITE_CENTROIDS)
-
-
 # The paper's coupled weight decay, which a model's `weight_decay=None`
 # applies under SGD (`Trainer._weight_decay_in_effect`).
 SGD_WEIGHT_DECAY = 1e-4
-
-
-def error_message(code: int, num_classes: int) -> str:
-    """The message of a non-zero error code."""
-    return {
-        LABEL_RANGE: label_range_message(num_classes),
-        FRACTIONAL_LABEL: FRACTIONAL_LABEL_MESSAGE,
-        NON_FINITE_INPUT: NON_FINITE_INPUT_MESSAGE,
-        NON_FINITE_STEP: NON_FINITE_STEP_MESSAGE,
-        NON_FINITE_CENTROIDS: NON_FINITE_CENTROID_MESSAGE,
-    }[code]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -604,6 +590,10 @@ class Trainer:
 
     error_tracker_class = None
 
+    def _batch_error(self, error):
+        """`error` as the `DUQBatchError` it stands for, or `None`."""
+        return error if isinstance(error, DUQBatchError) else None
+
     def _update_duq_metrics(self, batch, values, penalised=None):
         """Updates the trackers from a step's `Batch` and `StepValues`;
         `penalised` (bool tensor): whether the step computed `values.penalty`."""
@@ -641,19 +631,11 @@ def optimizer_steps_or_zero(model):
     return optimizer_steps(model) or 0
 
 
-def rejected_batch_error(model, error, iterations):
-    """A `ValueError` for a batch the step rejected, with the steps applied before it.
-
-    `None` for any other error, which propagates as it is.
-    """
-    text = str(error)
-    for code in ALL_ERRORS:
-        message = error_message(code, model.num_classes)
-        if message in text:
-            applied = optimizer_steps_or_zero(model) - iterations
-            return ValueError(
-                f"{message} The rejected batch changed nothing; {applied} "
-                "training step(s) of this `fit` call were applied before it "
-                "and the model keeps them."
-            )
-    return None
+def rejected_batch_error(model, error, iterations=None):
+    """The `DUQBatchError` of a batch the step rejected (in `fit`, with the
+    steps applied before it since `iterations`); `None` for any other error,
+    which propagates as it is."""
+    rejected = model._batch_error(error)
+    if rejected is None or iterations is None:
+        return rejected
+    return rejected._after_steps(optimizer_steps_or_zero(model) - iterations)

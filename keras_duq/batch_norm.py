@@ -18,7 +18,6 @@ keras_duq.batch_norm.recompute_batch_norm_statistics(model, x_train[:5000])
 from __future__ import annotations
 
 import sys
-import weakref
 from typing import Any
 
 import keras
@@ -219,7 +218,12 @@ def recompute_batch_norm_statistics(
                 np.sqrt(variance + layer.epsilon).astype(layer.moving_stddev.dtype)
             )
     if isinstance(model, keras.Model):
-        _RECOMPUTED[model] = (optimizer_steps(model), _statistics_fingerprint(model))
+        # Kept on the model: for these weights its statistics are settled by
+        # construction (`settled_by_recompute`).
+        model._recomputed_statistics = (
+            optimizer_steps(model),
+            _statistics_fingerprint(model),
+        )
     return [layer.name for layer in layers]
 
 
@@ -397,15 +401,9 @@ class RecomputeBatchNormStatistics(keras.callbacks.Callback):
             self._stale = False
 
 
-# Per model: the optimizer step and the statistics that
-# `recompute_batch_norm_statistics` last set. For these weights they are
-# settled by construction.
-_RECOMPUTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def settled_by_recompute(model: keras.Model) -> bool:
     """Whether `model`'s statistics are those its last re-estimation set, at the same step."""
-    return _RECOMPUTED.get(model) == (
+    return getattr(model, "_recomputed_statistics", None) == (
         optimizer_steps(model),
         _statistics_fingerprint(model),
     )

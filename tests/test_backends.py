@@ -13,15 +13,6 @@ from backend_subprocess import make_model as _model
 import keras_duq
 
 
-def _rejection_errors():
-    """What a rejected batch raises: a `ValueError`, or TensorFlow's graph error."""
-    if keras.backend.backend() != "tensorflow":
-        return ValueError
-    import tensorflow as tf
-
-    return (ValueError, tf.errors.InvalidArgumentError)
-
-
 def _state(model):
     return [
         keras.ops.convert_to_numpy(v) for v in model.weights + model.optimizer.variables
@@ -98,7 +89,7 @@ def test_rejected_batches_change_nothing(jit_compile):
     for case, (bad_x, bad_y, message) in cases.items():
         assert int(model.optimizer.iterations) == steps, case
         state = _state(model)
-        with pytest.raises(_rejection_errors(), match=message):
+        with pytest.raises(ValueError, match=message):
             model.fit(
                 bad_x.astype("float32"),
                 bad_y,
@@ -132,7 +123,7 @@ def test_failed_centroid_update_puts_the_step_back():
     model.fit(x, y, batch_size=16, verbose=0)
     state = _state(model)
     # exp(1000) overflows float32 in inference mode: the centroid update.
-    with pytest.raises(_rejection_errors(), match="centroid update is not finite"):
+    with pytest.raises(keras_duq.DUQBatchError, match="centroid update is not finite"):
         model.fit(1000 * x, y, batch_size=16, verbose=0)
     assert _unchanged(model, state)
     assert int(model.optimizer.iterations) == 1
@@ -141,7 +132,7 @@ def test_failed_centroid_update_puts_the_step_back():
 def test_bad_labels_in_evaluate_raise():
     model = _model()
     x, y = _data(n=32)
-    with pytest.raises(_rejection_errors(), match="fractional"):
+    with pytest.raises(ValueError, match="fractional"):
         model.evaluate(x, y + 0.5, verbose=0)
     with pytest.raises(ValueError, match="labels of shape"):
         model.fit(x, np.zeros((32, 2, 2)), verbose=0)

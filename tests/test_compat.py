@@ -128,12 +128,14 @@ def test_public_names_have_one_home_and_a_missing_one_names_the_submodules():
     with pytest.raises(AttributeError, match=r"'ood_metrics'.*keras_duq\.evaluation"):
         keras_duq.ood_metrics  # noqa: B018
     assert set(keras_duq.__all__) == {
+        "DUQBatchError",
         "DUQModel",
         "DUQOutput",
         "wrap",
         "__version__",
         "DUQHealthWarning",
         "KernelUnderflowWarning",
+        "LowCertaintyWarning",
         "BatchNormStatisticsWarning",
         "CentroidWarning",
         "ConstantPenaltyWarning",

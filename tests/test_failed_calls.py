@@ -219,10 +219,31 @@ def test_stream_rejection_says_how_many_steps_were_applied(model):
             yield x[start : start + 32], y[start : start + 32]
 
     before = _state(model)[-1]
-    with pytest.raises(ValueError, match=r"6 training step\(s\) of this `fit` call"):
+    with pytest.raises(
+        keras_duq.DUQBatchError, match=r"6 training step\(s\) of this `fit` call"
+    ) as raised:
         model.fit(batches(), verbose=0)
+    assert (raised.value.reason, raised.value.steps_applied) == ("label_range", 6)
     assert _state(model)[-1] == before + 6
     assert model.predict(x[:4], verbose=0).shape == (4, CLASSES)
+
+
+def test_a_step_rejected_outside_fit_raises_the_typed_error(model):
+    """`evaluate` on a stream, which the whole-call check does not read: the
+    step's rejection gives its reason, with no step count."""
+    CASES["stream"] += 1
+    x, y = _good(32)
+    x[3] = np.nan
+    state = _state(model)
+
+    def batches():
+        yield x, y
+
+    with pytest.raises(keras_duq.DUQBatchError) as raised:
+        model.evaluate(batches(), verbose=0)
+    assert raised.value.reason == "non_finite_input"
+    assert raised.value.steps_applied is None
+    assert _state(model)[-1] == state[-1]
 
 
 def test_keras_error_in_a_stream_leaves_the_model_usable(model):

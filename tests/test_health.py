@@ -151,6 +151,28 @@ def test_kernel_values_underflowing_in_training_warn():
     assert "length_scale" in message
 
 
+def test_low_in_distribution_certainty_warns_with_the_threshold_fix(monkeypatch):
+    # Past the start-up (here: after 32 steps), the end of `fit` (and
+    # `evaluate`) warns exactly when the mean certainty of in-distribution
+    # inputs is below the rule's threshold; the length scale sets it.
+    monkeypatch.setattr(_health.rules, "WARMUP_STEPS", 0)
+    monkeypatch.setattr(_health.rules, "WARMUP_DATA_SHARE", 0.0)
+    x, y = _data(n=128)
+    outcomes = []
+    for length_scale in (1.0, 0.05):
+        model = _model(length_scale=length_scale)
+        with _Recorder() as recorder:
+            _fit(model, x, y)
+            model.evaluate(x, y, verbose=0)
+        certainty = float(model.predict(x, verbose=0).max(axis=1).mean())
+        warned = recorder.of(keras_duq.LowCertaintyWarning)
+        assert bool(warned) == (certainty < _health.rules.LOW_CERTAINTY), certainty
+        outcomes.append(bool(warned))
+        for message in warned:
+            assert "certainty_threshold" in message and "length_scale" in message
+    assert outcomes == [False, True]
+
+
 def test_kernel_values_underflowing_in_inference_warn_in_evaluate_and_predict():
     x, y = _data(n=64)
     with _Recorder() as recorder:
@@ -338,7 +360,7 @@ def test_healthy_batch_norm_model_gives_no_health_warning(monkeypatch):
     with _Recorder() as recorder:
         history = _fit(model, x, y, epochs=2, batch_size=32).history
         # Inputs unlike the training data have other batch statistics by
-        # nature: `predict` compares the modes on the training inputs.
+        # nature: `predict` compares no modes.
         model.predict(-3.0 * x, verbose=0)
     assert recorder.of(keras_duq.BatchNormStatisticsWarning) == []
     with _Recorder() as recorder:
@@ -473,24 +495,27 @@ def test_the_mode_comparison_does_not_depend_on_the_chunk_size():
         assert _health.ModeComparison(model, x, chunk_size).gap < 0.05
 
 
-def test_the_mode_comparison_is_reused_only_while_inputs_and_weights_stay():
-    # The end of `fit`, its last epoch and a `predict` in a callback compare
-    # the modes on the same sample and weights: one set of passes serves all.
-    layers = [keras.layers.Dense(16), keras.layers.BatchNormalization()]
-    model = _model(layers=layers)
-    x, _ = _data(n=64)
-    first = _health.compare_modes(model, x, 16)
-    assert _health.compare_modes(model, x, 16) is first
-    assert _health.compare_modes(model, x, 32) is not first
-    # A weight that changes without an optimizer step (a restored
-    # checkpoint, re-estimated statistics) makes a new comparison.
-    before = _health.compare_modes(model, x, 32)
-    bn = layers[1]
-    bn.moving_mean.assign(bn.moving_mean + 1.0)
-    after = _health.compare_modes(model, x, 32)
-    assert after is not before and after.gap != before.gap
-    # Other inputs, even equal ones, too.
-    assert _health.compare_modes(model, x.copy(), 32) is not after
+def test_predict_compares_no_modes_and_the_model_keeps_no_sample(monkeypatch):
+    # `predict` reads the underflow off its own outputs; the modes are
+    # compared by `fit` and `evaluate` on their own data.
+    monkeypatch.setattr(_health.rules, "WARMUP_STEPS", 0)
+    model = _model(layers=[keras.layers.BatchNormalization()])
+    x, y = _data(n=64)
+    _fit(model, x, y, batch_size=32)
+    comparisons = []
+    original = _health.checks.ModeComparison
+
+    def counted(*args, **kwargs):
+        comparisons.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(_health.checks, "ModeComparison", counted)
+    model.predict(x, batch_size=64, verbose=0)
+    assert comparisons == []
+    model.evaluate(x, y, batch_size=64, verbose=0)
+    assert comparisons == [1]
+    state = _health.state_of(model)
+    assert not any(isinstance(v, np.ndarray) for v in vars(state).values())
 
 
 # ------------------------------------------------------------ the BN fix
@@ -674,7 +699,7 @@ def test_keras_applications_backbone_with_collapsed_inference_certainty_warns():
         model.fit(x, y, batch_size=32, epochs=1, verbose=0)
         model.predict(x[:64], verbose=0)
     (message,) = recorder.of(keras_duq.BatchNormStatisticsWarning)
-    assert "`predict`" in message and "_bn" in message
+    assert "end of `fit`" in message and "_bn" in message
 
 
 # ------------------------------------------------------------ feature noise

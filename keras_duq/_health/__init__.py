@@ -12,7 +12,7 @@ of `DUQHealthWarning`, naming the numbers and the fix.
 
 The numbers are measured cheaply: per batch inside the training and test
 steps, from tensors the step already has (logged as `certainty`, `underflow`
-and `zero_input_gradient`), and once per epoch, evaluate or predict on a
+and `zero_input_gradient`), and once per epoch and per `evaluate` on a
 sample of a few hundred inputs (`batch_norm_gap`, `centroid_overlap`).
 """
 
@@ -25,7 +25,6 @@ from keras_duq._health.callback import with_health_check
 from keras_duq._health.checks import ModeComparison
 from keras_duq._health.checks import check_final_state
 from keras_duq._health.checks import check_predictions
-from keras_duq._health.checks import compare_modes
 from keras_duq._health.checks import feature_noise_layer
 from keras_duq._health.state import out_of_distribution
 from keras_duq._health.state import state_of
@@ -36,6 +35,7 @@ from keras_duq._health.warning_types import DUQHealthWarning
 from keras_duq._health.warning_types import FeatureDropoutWarning
 from keras_duq._health.warning_types import InputScaleWarning
 from keras_duq._health.warning_types import KernelUnderflowWarning
+from keras_duq._health.warning_types import LowCertaintyWarning
 
 __all__ = [
     "BatchNormStatisticsWarning",
@@ -46,11 +46,11 @@ __all__ = [
     "HealthCheck",
     "InputScaleWarning",
     "KernelUnderflowWarning",
+    "LowCertaintyWarning",
     "ModeComparison",
     "batch_trackers",
     "check_final_state",
     "check_predictions",
-    "compare_modes",
     "feature_noise_layer",
     "out_of_distribution",
     "rules",

@@ -58,8 +58,9 @@ class HealthCheck(keras.callbacks.Callback):
     then on it checks each epoch's training and validation numbers (from
     the first epoch that starts after that) and, at its end, the model's
     state (features in both modes on the sample, the centroids, the classes
-    seen). `evaluate` and `predict`, whose
-    outputs are being used, check the model's state whenever they run.
+    seen); BatchNormalization statistics are compared at its end even
+    before that. `evaluate` checks the model's state whenever it runs, and
+    `predict` the kernel values it returns.
 
     At the end of each epoch it adds to the logs `centroid_overlap` (the
     largest kernel value of a class at another class's centroid) and, for
@@ -83,8 +84,8 @@ class HealthCheck(keras.callbacks.Callback):
         inputs: optional sample of model inputs (an array, or a list or
             dict of arrays, as `predict` takes them; a few hundred examples)
             on which training- and inference-mode features are compared (in
-            `fit`, training inputs: `predict` then compares the modes on
-            them too). `fit` and `evaluate` pass 512 random examples of
+            `fit`, training inputs). The callback keeps it for the call
+            only. `fit` and `evaluate` pass 512 random examples of
             their inputs (fewer for large inputs; or their first batches)
             when these are in-memory arrays, a `tf.data.Dataset` or a
             `keras.utils.PyDataset`; `None` skips these comparisons.
@@ -118,8 +119,6 @@ class HealthCheck(keras.callbacks.Callback):
         checks.record_centroid_start(model)
         checks.check_feature_noise(model)
         if self.inputs is not None:
-            state_of(model).training_inputs = self.inputs
-            state_of(model).training_chunk_size = self.batch_size
             checks.check_input_scale(model, self.inputs)
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
@@ -145,7 +144,7 @@ class HealthCheck(keras.callbacks.Callback):
         if state.comparison_seconds > rules.CHECK_TIME_SHARE * state.epoch_seconds:
             return float("nan")
         start = time.perf_counter()
-        gap = checks.compare_modes(model, self.inputs, self.batch_size).gap
+        gap = checks.ModeComparison(model, self.inputs, self.batch_size).gap
         state.comparison_seconds += time.perf_counter() - start
         return gap
 
@@ -154,7 +153,12 @@ class HealthCheck(keras.callbacks.Callback):
         self._in_fit = False
         if not checks.warmed_up(model):
             checks.check_short_run(model, getattr(self, "_last_logs", {}))
-        if checks.warmed_up(model):
+            # Moving statistics lag behind the weights of a short training
+            # most: they are checked whatever the centroids' state.
+            if self.inputs is not None and batch_norm_layers(model.feature_extractor):
+                comparison = checks.ModeComparison(model, self.inputs, self.batch_size)
+                checks.check_batch_norm(model, comparison, "end of `fit`")
+        else:
             checks.check_final_state(
                 model,
                 self.inputs,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from typing import TYPE_CHECKING
 from typing import Any
 
@@ -21,6 +20,7 @@ from keras_duq._health.warning_types import ConstantPenaltyWarning
 from keras_duq._health.warning_types import FeatureDropoutWarning
 from keras_duq._health.warning_types import InputScaleWarning
 from keras_duq._health.warning_types import KernelUnderflowWarning
+from keras_duq._health.warning_types import LowCertaintyWarning
 from keras_duq._validation import is_float
 from keras_duq._values import optimizer_steps
 from keras_duq._values import to_float64
@@ -55,8 +55,10 @@ class ModeComparison:
         self.underflow_training = underflow_fraction(
             model.duq_output.log_kernel_values(ops.concatenate(training))
         )
-        self.underflow_inference = underflow_fraction(
-            model.duq_output.log_kernel_values(ops.concatenate(inference))
+        log_kernel = model.duq_output.log_kernel_values(ops.concatenate(inference))
+        self.underflow_inference = underflow_fraction(log_kernel)
+        self.certainty_inference = float(
+            np.mean(np.exp(to_float64(ops.max(log_kernel, axis=-1))))
         )
         self.size = int(keras.tree.flatten(inputs)[0].shape[0])
         self.gap = 0.0
@@ -126,8 +128,6 @@ def check_underflow(model, fraction, mode, where):
 
 
 def check_batch_norm(model, comparison, where):
-    state = state_of(model)
-    state.compared_at = optimizer_steps(model)
     if settled_by_recompute(model):
         return  # re-estimated for these weights: a gap is the sample's noise
     if not comparison.layers or comparison.gap <= rules.BATCH_NORM_GAP:
@@ -332,35 +332,6 @@ def check_short_run(model, logs):
     )
 
 
-def compare_modes(model, inputs, chunk_size=None):
-    """The `ModeComparison` on `inputs` (or `None` without inputs).
-
-    Reuses the last comparison when `inputs`, `chunk_size` and every weight
-    of the model are the same: `fit`'s last epoch, its end and a `predict`
-    in a callback would otherwise each pass the sample three times through
-    the same model.
-    """
-    if inputs is None:
-        return None
-    state = state_of(model)
-    key = (chunk_size, weights_digest(model))
-    if state.comparison is not None:
-        last_inputs, last_key, last = state.comparison
-        if last_inputs is inputs and last_key == key:
-            return last
-    comparison = ModeComparison(model, inputs, chunk_size)
-    state.comparison = (inputs, key, comparison)
-    return comparison
-
-
-def weights_digest(model):
-    """A digest of every weight's value: equal digests, same weights."""
-    digest = hashlib.blake2b(digest_size=16)
-    for weight in model.weights:
-        digest.update(np.asarray(ops.convert_to_numpy(weight.value)).tobytes())
-    return digest.digest()
-
-
 def check_final_state(model, inputs, where, training=False, chunk_size=None):
     """The checks of a model as it is now: on `inputs`, and of its centroids.
 
@@ -368,22 +339,45 @@ def check_final_state(model, inputs, where, training=False, chunk_size=None):
     kernel values are then checked too. `chunk_size`: the batch size of the
     passes over `inputs`.
     """
-    comparison = compare_modes(model, inputs, chunk_size)
-    if comparison is not None:
+    if inputs is not None:
+        comparison = ModeComparison(model, inputs, chunk_size)
         check_batch_norm(model, comparison, where)
         if training:
             check_underflow(model, comparison.underflow_training, "training", where)
         check_underflow(model, comparison.underflow_inference, "inference", where)
+        if comparison.underflow_inference < rules.MOST_EXAMPLES and warmed_up(model):
+            check_low_certainty(model, comparison, where)
     check_centroid_overlap(model, where)
 
 
-def check_predictions(model: DUQModel, kernel_values: Any) -> None:
-    """The checks after `predict`: inference-mode underflow, unsettled BatchNormalization.
+def check_low_certainty(model, comparison, where):
+    """Warns when in-distribution inputs get a certainty far below any hand-picked threshold."""
+    certainty = comparison.certainty_inference
+    if not certainty < rules.LOW_CERTAINTY:
+        return
+    warn_once(
+        model,
+        "low_certainty",
+        LowCertaintyWarning,
+        f"in-distribution inputs get a low certainty ({where}): the mean "
+        f"largest kernel value of a sample of {comparison.size} inputs is "
+        f"{certainty:.3g} in inference mode, so a certainty threshold picked by "
+        "hand (0.5, say) would refuse nearly all of them, although the "
+        "certainty may still rank inputs well. Pick the threshold from "
+        "in-distribution validation data: `t = keras_duq.evaluation."
+        "certainty_threshold(model.predict(x_val).max(axis=1), keep=0.95)` "
+        "accepts 95% of it; serve it with `model.export(path, "
+        "certainty_threshold=t)`. To raise the certainty itself, train longer "
+        "or use a larger `length_scale` (each kernel value is exp(-distance^2 "
+        "/ (2 length_scale^2))).",
+    )
 
-    The modes are compared on a sample of the last `fit`'s inputs, not on
-    `predict`'s own: on inputs unlike the training data (out of
-    distribution, say) BatchNormalization's batch statistics differ from
-    the moving ones by nature.
+
+def check_predictions(model: DUQModel, kernel_values: Any) -> None:
+    """The check after `predict`: inference-mode underflow, read off its outputs.
+
+    `predict` passes nothing more through the model: the modes are compared
+    by `fit` and `evaluate`, on their own data.
     """
     state = state_of(model)
     # An untrained model's kernel values underflow by nature (its centroids
@@ -399,16 +393,6 @@ def check_predictions(model: DUQModel, kernel_values: Any) -> None:
             np.mean(kernel_values.max(axis=1) < rules.UNDERFLOW_KERNEL_VALUE)
         )
         check_underflow(model, fraction, "inference", "`predict`")
-    # `predict` runs often (in callbacks, on grids): check the modes once per
-    # set of weights.
-    if "batch_norm" in state.warned or state.compared_at == optimizer_steps(model):
-        return
-    if batch_norm_layers(model.feature_extractor):
-        comparison = compare_modes(
-            model, state.training_inputs, state.training_chunk_size
-        )
-        if comparison is not None:
-            check_batch_norm(model, comparison, "`predict`")
 
 
 def check_input_scale(model, inputs):

@@ -19,6 +19,11 @@ MOST_EXAMPLES = 0.9
 # A mean certainty on the training batches below this is no certainty at all:
 # a trained model's is near 1 on the data it was fit to.
 NEGLIGIBLE_CERTAINTY = 1e-3
+# A mean certainty of in-distribution inputs (inference mode) below this is
+# far below any threshold one would pick by hand (0.5, say): such a threshold
+# would refuse nearly every input, though the certainty may still rank
+# inputs well. Thresholds then come from validation data.
+LOW_CERTAINTY = 0.1
 # An input-gradient norm below this counts as zero (two-sided penalty only:
 # it is then within 2e-3 of 1, its value at a zero gradient).
 ZERO_GRADIENT_NORM = 1e-3

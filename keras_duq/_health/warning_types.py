@@ -42,3 +42,7 @@ class InputScaleWarning(DUQHealthWarning):
 
 class FeatureDropoutWarning(DUQHealthWarning):
     """The backbone's features come straight out of a dropout (or noise) layer."""
+
+
+class LowCertaintyWarning(DUQHealthWarning):
+    """In-distribution certainty far below any threshold one would choose by hand."""

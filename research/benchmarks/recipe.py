@@ -51,6 +51,19 @@ Problems:
   set none of the defaults were chosen on: 48 intents (a seeded draw per
   seed) are in scope, the other 16 are the OoD set; folds 1-8 train, folds
   9-10 test. CLINC150's backbone, optimizer and budget.
+- `banking77_held_out`: Banking77 (77 banking intents; Casanueva et al.,
+  2020), `train.csv` and `test.csv` of `banking_data/` in GitHub
+  `PolyAI-LDN/task-specific-datasets` at commit 57ec275 (CC BY 4.0) in
+  `$BANKING77_DIR`: 60 intents (a seeded draw per seed) in scope, trained
+  on `train` (about 7,800 queries) and tested on `test`; the test queries
+  of the other 17 are the OoD set. CLINC150's backbone, optimizer and
+  budget.
+- `ag_news`: AG News (4 news topics; Zhang et al., 2015): its 7,600 test
+  articles (title and description; `ag_news_csv/test.csv` of GitHub
+  `madhubandru/Text-Classification-on-News-Articles-using-BERT-Framework`
+  at commit 082f2db, in `$AG_NEWS_CSV`), split 70 / 30 into training and
+  test sets by seed; the OoD set is Banking77's 3,080 test queries
+  (`$BANKING77_DIR`). CLINC150's backbone, optimizer and budget.
 - `two_moons`: the paper's problem-specific arguments (3x20 MLP,
   `centroid_dims=10`, `length_scale=0.3`, `momentum=0.99`, penalty 1.0, `W ~
   N(0, 1)`, SGD 0.01 momentum 0.9, 30 epochs, batch 64) and the library's
@@ -174,6 +187,65 @@ def hwu64_held_out(seed):
         (texts[train], labels[train]),
         (texts[test & (labels >= 0)], labels[test & (labels >= 0)]),
         texts[test & (labels < 0)],
+    )
+
+
+def banking77_held_out(seed):
+    """Banking77's queries: 60 intents in scope, the other 17 (a seeded draw) OoD."""
+    import csv
+
+    folder = os.environ.get("BANKING77_DIR")
+    if not folder:
+        raise ValueError(
+            "Set BANKING77_DIR to the folder holding Banking77's train.csv and "
+            "test.csv (see the module docstring)."
+        )
+    splits = {}
+    for name in ("train", "test"):
+        with open(os.path.join(folder, f"{name}.csv"), newline="") as f:
+            splits[name] = [(row["text"], row["category"]) for row in csv.DictReader(f)]
+    intents = sorted({intent for _, intent in splits["train"]})
+    known = sorted(np.random.default_rng(seed).permutation(intents)[:60])
+    index = {intent: i for i, intent in enumerate(known)}
+
+    def split(name):
+        texts = np.array([text for text, _ in splits[name]])
+        labels = np.array([index.get(intent, -1) for _, intent in splits[name]])
+        return texts, labels
+
+    (x, y), (x_test, y_test) = split("train"), split("test")
+    return _text_problem(
+        (x[y >= 0], y[y >= 0]),
+        (x_test[y_test >= 0], y_test[y_test >= 0]),
+        x_test[y_test < 0],
+    )
+
+
+def ag_news(seed):
+    """AG News's 7,600 test articles (4 topics), split 70 / 30 by seed; OoD:
+    Banking77's test queries (short, in-scope for no topic)."""
+    import csv
+
+    path = os.environ.get("AG_NEWS_CSV")
+    if not path or not os.environ.get("BANKING77_DIR"):
+        raise ValueError(
+            "Set AG_NEWS_CSV to AG News's test.csv and BANKING77_DIR to "
+            "Banking77's folder (see the module docstring)."
+        )
+    with open(path, newline="") as f:
+        rows = [
+            (r["title"] + " " + r["description"], int(r["label"]) - 1)
+            for r in csv.DictReader(f)
+        ]
+    texts = np.array([text for text, _ in rows])
+    labels = np.array([label for _, label in rows])
+    order = np.random.default_rng(seed).permutation(len(rows))
+    cut = int(0.7 * len(rows))
+    train, test = order[:cut], order[cut:]
+    with open(os.path.join(os.environ["BANKING77_DIR"], "test.csv"), newline="") as f:
+        ood = np.array([row["text"] for row in csv.DictReader(f)])
+    return _text_problem(
+        (texts[train], labels[train]), (texts[test], labels[test]), ood
     )
 
 
@@ -400,6 +472,8 @@ PROBLEMS = {
     "small_data": small_data,
     "clinc150": clinc150,
     "hwu64_held_out": hwu64_held_out,
+    "banking77_held_out": banking77_held_out,
+    "ag_news": ag_news,
     "two_moons": two_moons,
     "cifar10": cifar10,
     "tiny_imagenet": tiny_imagenet,
