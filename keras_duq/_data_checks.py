@@ -12,7 +12,6 @@ step; an empty `tf.data.Dataset` of known size is rejected here.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import keras
@@ -21,6 +20,7 @@ import numpy as np
 from keras_duq import _compat
 from keras_duq._validation import FRACTIONAL_LABEL_MESSAGE
 from keras_duq._validation import NON_FINITE_INPUT_MESSAGE
+from keras_duq._validation import label_dtype_message
 from keras_duq._validation import label_range_message
 from keras_duq._validation import label_shape_message
 
@@ -38,6 +38,17 @@ def check_call_data(model: Any, method: str, arguments: dict[str, Any]) -> None:
     """
     x, y = arguments.get("x"), arguments.get("y")
     weights = arguments.get("sample_weight")
+    validation = arguments.get("validation_data")
+    if method != "predict":
+        # Labels that are not numbers (strings, objects), before Keras's data
+        # adapter fails on them with a bare dtype error.
+        val_y = None
+        if isinstance(validation, (tuple, list)):
+            val_y = keras.utils.unpack_x_y_sample_weight(tuple(validation))[1]
+        for labels in (y, val_y):
+            dtype = array_dtype(labels)
+            if dtype is not None and dtype.kind not in "iuf":
+                raise ValueError(label_dtype_message(model.num_classes, dtype))
     if x is None:
         raise ValueError(
             f"`{method}` received no data. Pass `x` (arrays, a "
@@ -51,7 +62,6 @@ def check_call_data(model: Any, method: str, arguments: dict[str, Any]) -> None:
     check_arrays(
         method, inputs, x, y, model.num_classes, "x", labels=method != "predict"
     )
-    validation = arguments.get("validation_data")
     if isinstance(validation, (tuple, list)):
         val_x, val_y, val_weights = keras.utils.unpack_x_y_sample_weight(
             tuple(validation)
@@ -212,13 +222,3 @@ EMPTY_STREAM_MESSAGE = (
     "`{method}` received empty data: its input yielded no batches. Check the "
     "dataset, generator or `PyDataset` passed as `x` (and `steps`, if given)."
 )
-
-
-def check_bound_call_data(model, method, name, args, kwargs):
-    """`check_call_data` on the Keras `method`'s bound arguments."""
-    signature = inspect.signature(method)
-    bound = signature.bind(*args, **kwargs)
-    bound.apply_defaults()
-    arguments = dict(bound.arguments)
-    arguments.update(arguments.pop("kwargs", {}) or {})
-    check_call_data(model, name, arguments)

@@ -26,7 +26,6 @@ from keras_duq._validation import check_non_negative
 from keras_duq._validation import check_positive
 from keras_duq._validation import check_positive_int
 from keras_duq._validation import is_float
-from keras_duq._validation import label_dtype_message
 from keras_duq._validation import own_loss_message
 
 if TYPE_CHECKING:
@@ -418,10 +417,11 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
     def _prepared_call(self, method, name, args, kwargs):
         """`(args, kwargs)` for the Keras `method`: data checked whole, a
         `HealthCheck` added (`fit`, `evaluate`), fed as the backend wants."""
-        _data_checks.check_bound_call_data(self, method, name, args, kwargs)
+        arguments = _bound_arguments(method, args, kwargs)
+        _data_checks.check_call_data(self, name, arguments)
         if self.health_checks and name != "predict":
-            args, kwargs = _health.with_health_check(self, method, args, kwargs)
-        return _arguments_for(method, name, args, kwargs, self.num_classes)
+            arguments = _health.with_health_check(self, arguments)
+        return (), _BackendTrainer.prepare_arguments(name, arguments)
 
     @functools.wraps(keras.Model.fit)
     def fit(self, *args: Any, **kwargs: Any) -> keras.callbacks.History:
@@ -627,12 +627,8 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
         return cls(feature_extractor.input, outputs, **config)
 
 
-def _arguments_for(method, name, args, kwargs, num_classes=None):
-    """`args` and `kwargs` of the Keras `method` by name, as the backend feeds them best.
-
-    In-memory labels that are not numbers (strings, objects) are rejected
-    here, before Keras's data adapter fails on them with a bare dtype error.
-    """
+def _bound_arguments(method, args, kwargs):
+    """Every parameter of the Keras `method` by name, defaults included."""
     signature = inspect.signature(method)
     bound = signature.bind(*args, **kwargs)
     bound.apply_defaults()
@@ -642,15 +638,7 @@ def _arguments_for(method, name, args, kwargs, num_classes=None):
             arguments.update(value)
         else:
             arguments[parameter] = value
-    if name != "predict":
-        validation = arguments.get("validation_data")
-        if isinstance(validation, (tuple, list)):
-            validation = keras.utils.unpack_x_y_sample_weight(tuple(validation))[1]
-        for labels in (arguments.get("y"), validation):
-            dtype = _data_checks.array_dtype(labels)
-            if dtype is not None and dtype.kind not in "iuf":
-                raise ValueError(label_dtype_message(num_classes, dtype))
-    return (), _BackendTrainer.prepare_arguments(name, arguments)
+    return arguments
 
 
 @contextlib.contextmanager

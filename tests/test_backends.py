@@ -4,30 +4,22 @@ Run the file under `KERAS_BACKEND=tensorflow`, `jax` and `torch`: nothing
 here depends on which one.
 """
 
+import harness
 import keras
 import numpy as np
 import pytest
-from backend_subprocess import data as _data
-from backend_subprocess import make_model as _model
+from harness import data as _data
+from harness import make_model as _model
 
 import keras_duq
 
 
 def _state(model):
-    return [
-        keras.ops.convert_to_numpy(v) for v in model.weights + model.optimizer.variables
-    ]
+    return harness.state(model, optimizer=True)
 
 
 def _unchanged(model, state):
     return all(np.array_equal(a, b) for a, b in zip(state, _state(model)))
-
-
-@pytest.fixture
-def policy():
-    """Sets a global dtype policy for one test and restores float32 after."""
-    yield keras.mixed_precision.set_global_policy
-    keras.mixed_precision.set_global_policy("float32")
 
 
 @pytest.mark.parametrize("head", ["per_class", "shared"])

@@ -108,7 +108,7 @@ def test_import_needs_neither_matplotlib_nor_scikit_learn():
     # Keras itself imports both when they are installed, so block them: the
     # core must import and train without them. Only importing fails: PyTorch
     # looks for them (`find_spec`) without importing them.
-    from backend_subprocess import run
+    from harness import run
 
     loaded = run("core_without_optional_packages.py", backend=keras.backend.backend())
     for namespace in ("evaluation", "plots", "datasets", "callbacks"):

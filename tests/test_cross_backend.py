@@ -9,7 +9,7 @@ import json
 
 import numpy as np
 import pytest
-from backend_subprocess import run
+from harness import run
 
 BACKENDS = ("tensorflow", "jax", "torch")
 

@@ -3,7 +3,7 @@
 import json
 import os
 
-import backend_subprocess
+import harness
 import keras
 import numpy as np
 import pytest
@@ -18,11 +18,7 @@ from keras_duq import _validation
 REJECTED = (ValueError, tf.errors.InvalidArgumentError)
 
 
-def _data(n=64, features=4, classes=3, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n, features)).astype("float32")
-    y = rng.integers(0, classes, size=n)
-    return x, y
+_data = harness.tabular_data
 
 
 def _model(
@@ -49,13 +45,8 @@ def _compiled(lr=0.05, jit_compile="auto", **kwargs):
     return model
 
 
-def _state(model):
-    return [v.numpy().copy() for v in model.weights]
-
-
-def _assert_state_equal(model, state):
-    for old, variable in zip(state, model.weights):
-        np.testing.assert_array_equal(old, variable.numpy(), err_msg=variable.path)
+_state = harness.state
+_assert_state_equal = harness.assert_state_equal
 
 
 def _decayed_weights(model):
@@ -459,8 +450,8 @@ def test_tf_data_and_callbacks(tmp_path):
 
 def _fit_arguments(model, *args, **kwargs):
     fit = keras.Model.fit.__get__(model)
-    _, arguments = _duq_model._arguments_for(fit, "fit", args, kwargs)
-    return arguments
+    arguments = _duq_model._bound_arguments(fit, args, kwargs)
+    return model.prepare_arguments("fit", arguments)
 
 
 def _rows(dataset, index):
@@ -598,13 +589,6 @@ def test_keras_save_and_load_round_trip(tmp_path):
 # ------------------------------------------- mixed precision, distribution
 
 
-@pytest.fixture
-def policy():
-    """Sets a global dtype policy for one test and restores float32 after."""
-    yield keras.mixed_precision.set_global_policy
-    keras.mixed_precision.set_global_policy("float32")
-
-
 @pytest.mark.requires_backend("tensorflow")  # the TensorFlow step's penalty
 def test_mixed_float16_step_matches_float32(policy):
     x, y = _data()
@@ -686,7 +670,7 @@ def test_mirrored_strategy_matches_one_device(head):
     # Two logical CPUs must be configured before TensorFlow starts: a fresh
     # process. Without the cross-replica sum in update_centroids the weights
     # differ by ~0.8 here (measured), the replicas' centroid copies agreeing.
-    report = backend_subprocess.run("mirrored.py", backend="tensorflow", args=[head])
+    report = harness.run("mirrored.py", backend="tensorflow", args=[head])
     assert report["replicas"] == 2 and report["copies"] == 2
     assert report["copy_difference"] == 0.0
     assert report["difference"] < 1e-5
@@ -715,11 +699,11 @@ def test_multi_worker_mirrored_strategy_matches_one_process(tmp_path):
     import subprocess
     import sys
 
-    sys.path.insert(0, backend_subprocess.SCRIPTS_DIR)
+    sys.path.insert(0, harness.SCRIPTS_DIR)
     try:
         from distributed_model import build
     finally:
-        sys.path.remove(backend_subprocess.SCRIPTS_DIR)
+        sys.path.remove(harness.SCRIPTS_DIR)
     keras.utils.set_random_seed(0)
     reference = build()
     rng = np.random.default_rng(0)
@@ -739,13 +723,13 @@ def test_multi_worker_mirrored_strategy_matches_one_process(tmp_path):
         subprocess.Popen(
             [
                 sys.executable,
-                backend_subprocess.script_path("multi_worker.py"),
+                harness.script_path("multi_worker.py"),
                 str(i),
                 ports,
                 str(initial),
                 str(tmp_path / f"worker{i}.npz"),
             ],
-            env=backend_subprocess.script_env("tensorflow"),
+            env=harness.script_env("tensorflow"),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

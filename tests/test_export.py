@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 
-import backend_subprocess
+import harness
 import keras
 import numpy as np
 import pytest
@@ -28,18 +28,13 @@ def _serve_with_tf_only(tmp_path, exports):
         np.savez(f"{path}.in.npz", **inputs)
         arguments.append(f"{path}={path}.in.npz")
     # No KERAS_BACKEND: the script imports TensorFlow alone.
-    report = backend_subprocess.run(
-        "serve_with_tf_only.py", backend="tensorflow", args=arguments
-    )
+    report = harness.run("serve_with_tf_only.py", backend="tensorflow", args=arguments)
     assert report.pop("imported") == []
     outputs = {path: dict(np.load(f"{path}.out.npz")) for path in exports}
     return outputs, report
 
 
-def _data(n=64, features=4, classes=3, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n, features)).astype("float32")
-    return x, rng.integers(0, classes, size=n)
+_data = harness.tabular_data
 
 
 def _model(inputs=None, head="auto"):

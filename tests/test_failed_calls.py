@@ -279,9 +279,9 @@ def test_fit_killed_mid_epoch_resumes_with_backup_and_restore(tmp_path, backend)
     import subprocess
     import sys
 
-    from backend_subprocess import script_env
-    from backend_subprocess import script_path
-    from backend_subprocess import skip_unless_installed
+    from harness import script_env
+    from harness import script_path
+    from harness import skip_unless_installed
 
     skip_unless_installed(backend)
     script, env = script_path("interrupted_fit.py"), script_env(backend)

@@ -665,7 +665,7 @@ def test_recompute_callback_bad_arguments_raise_before_training():
 @pytest.mark.slow
 @pytest.mark.requires_backend("tensorflow")
 def test_jax_backend_warns_too():
-    from backend_subprocess import run
+    from harness import run
 
     out = run("health_jax.py", backend="jax")
     assert out["warnings"] == [

@@ -7,7 +7,7 @@ JAX starts); they run once, in the suite's JAX run.
 
 import numpy as np
 import pytest
-from backend_subprocess import run
+from harness import run
 
 pytestmark = pytest.mark.requires_backend("jax")
 

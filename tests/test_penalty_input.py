@@ -242,13 +242,6 @@ def test_layer_inside_a_subclassed_layer_is_named_in_the_error():
     assert np.isfinite(logs["gradient_penalty"])
 
 
-@pytest.fixture
-def policy():
-    """Sets a global dtype policy for one test and restores float32 after."""
-    yield keras.mixed_precision.set_global_policy
-    keras.mixed_precision.set_global_policy("float32")
-
-
 def test_mixed_float16_step_matches_float32(policy):
     x, y = _tokens()
     logs, weights = {}, None
@@ -275,7 +268,7 @@ def test_mirrored_strategy_matches_one_device():
     # The replicas run their steps in threads of their own, each with its
     # own probe. Two logical CPUs must be configured before TensorFlow
     # starts: a fresh process.
-    from backend_subprocess import run
+    from harness import run
 
     report = run("penalty_input_mirrored.py", backend="tensorflow")
     np.testing.assert_allclose(*report["penalties"], rtol=1e-5)

@@ -354,6 +354,6 @@ def test_spectral_normalize_rejects_subclassed_and_duq_models():
 
 @pytest.mark.slow
 def test_jax_backend():
-    from backend_subprocess import run
+    from harness import run
 
     assert run("spectral_normalization_jax.py", backend="jax") == {"ok": True}

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import sys
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 from typing import Any
 
@@ -184,29 +182,22 @@ class HealthCheck(keras.callbacks.Callback):
             )
 
 
-def with_health_check(
-    model: DUQModel,
-    method: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """`(args, kwargs)` of `fit` or `evaluate` with a `HealthCheck` in the callbacks."""
-    bound = inspect.signature(method).bind(*args, **kwargs)
-    arguments = bound.arguments
+def with_health_check(model: DUQModel, arguments: dict[str, Any]) -> dict[str, Any]:
+    """The arguments of `fit` or `evaluate`, by name, with a `HealthCheck` in the callbacks."""
     callbacks = arguments.get("callbacks")
     if isinstance(callbacks, keras.callbacks.CallbackList):
-        return args, kwargs
+        return arguments
     callbacks = list(callbacks or [])
     if any(isinstance(callback, HealthCheck) for callback in callbacks):
-        return args, kwargs
+        return arguments
     inputs, chunk_size = sample_inputs(arguments.get("x"), arguments.get("batch_size"))
     # Re-estimated statistics first, so that the checks and the user's
     # callbacks (checkpoints, early stopping) see them; then the health
     # check, whose logs every other callback sees.
     first = [c for c in callbacks if isinstance(c, RecomputeBatchNormStatistics)]
     rest = [c for c in callbacks if not isinstance(c, RecomputeBatchNormStatistics)]
-    arguments["callbacks"] = first + [HealthCheck(inputs, batch_size=chunk_size)] + rest
-    return bound.args, bound.kwargs
+    health = HealthCheck(inputs, batch_size=chunk_size)
+    return {**arguments, "callbacks": first + [health] + rest}
 
 
 def sample_inputs(x: Any, batch_size: int | None = None) -> tuple[Any, int | None]:

@@ -9,9 +9,9 @@ every few calls.
 import json
 
 import numpy as np
-from backend_subprocess import data
-from backend_subprocess import make_model
-from backend_subprocess import state
+from harness import data
+from harness import make_model
+from harness import state
 
 
 def error_of(call):

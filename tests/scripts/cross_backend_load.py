@@ -11,7 +11,7 @@ import sys
 
 import keras
 import numpy as np
-from backend_subprocess import data
+from harness import data
 
 import keras_duq  # noqa: F401  (registers its classes for loading)
 

@@ -12,9 +12,9 @@ import sys
 
 import keras
 import numpy as np
-from backend_subprocess import data
-from backend_subprocess import make_model
-from backend_subprocess import state
+from harness import data
+from harness import make_model
+from harness import state
 
 model = make_model()
 x, y = data()

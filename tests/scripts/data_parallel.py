@@ -12,8 +12,8 @@ import sys
 
 import jax
 import keras
-from backend_subprocess import data
-from backend_subprocess import make_model
+from harness import data
+from harness import make_model
 
 if os.environ.get("DUQ_DATA_PARALLEL"):
     assert len(jax.devices()) == 2

@@ -3,7 +3,7 @@ TensorFlow was imported.
 
     python fashion_mnist_example.py MNIST_DIR FASHION_MNIST_DIR OUTPUT_DIR
 
-Run by `backend_subprocess.run(..., block_tensorflow=True)` under JAX: the
+Run by `harness.run(..., block_tensorflow=True)` under JAX: the
 loaders, `make_dataset` and `OODEvaluation` must work without TensorFlow.
 """
 

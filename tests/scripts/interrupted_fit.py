@@ -4,7 +4,7 @@
     python interrupted_fit.py resume BACKUP_DIR OUT_DIR  # resumes; then trains anew
 
 Run under the backend in `KERAS_BACKEND`, with `tests/` importable
-(`backend_subprocess.script_env`). `resume` writes every variable of
+(`harness.script_env`). `resume` writes every variable of
 the resumed model (the centroid state included) and `optimizer.iterations`
 to `OUT_DIR/resumed.npz`, and the same of a model trained uninterrupted in
 the same process to `OUT_DIR/full.npz`.
@@ -16,8 +16,8 @@ import sys
 
 import keras
 import numpy as np
-from backend_subprocess import data
-from backend_subprocess import make_model
+from harness import data
+from harness import make_model
 
 EPOCHS, KILL_EPOCH, KILL_BATCH = 3, 1, 3
 

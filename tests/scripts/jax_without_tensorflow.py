@@ -2,7 +2,7 @@
 
     python jax_without_tensorflow.py MODEL_PATH
 
-Run by `backend_subprocess.run(..., block_tensorflow=True)` under JAX.
+Run by `harness.run(..., block_tensorflow=True)` under JAX.
 """
 
 import json
@@ -10,8 +10,8 @@ import sys
 
 import keras
 import numpy as np
-from backend_subprocess import data
-from backend_subprocess import make_model
+from harness import data
+from harness import make_model
 
 model = make_model()
 x, y = data()

@@ -1,9 +1,11 @@
-"""Scripts of `tests/scripts/` run in a subprocess under a chosen Keras backend.
+"""The tests' shared harness: model and data builders, state snapshots, and
+scripts of `tests/scripts/` run in a subprocess under a chosen Keras backend.
 
 A process has one backend, and some settings (logical devices, TF_CONFIG,
 XLA flags) must be made before the backend starts. Each script is a file
 that prints its results as JSON on its last line; `run` returns them.
-The helpers here (`make_model`, `data`, `state`) are the scripts' too.
+The builders here (`make_model`, `data`, `tabular_data`, `state`) serve the
+test modules and the scripts alike.
 """
 
 import json
@@ -59,18 +61,39 @@ def data(n=96, classes=3, seed=0):
     return x, y
 
 
-def state(model):
-    """Every variable of the model, as NumPy arrays."""
+def tabular_data(n=64, features=4, classes=3, seed=0, scale=1.0, shift=0.0):
+    """`(x, y)`: standard normal features (times `scale`, plus `shift`) and
+    random labels."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    x = (shift + scale * rng.normal(size=(n, features))).astype("float32")
+    return x, rng.integers(0, classes, size=n)
+
+
+def state(model, optimizer=False):
+    """Every variable of the model (and, with `optimizer`, of its optimizer,
+    `iterations` included), as NumPy arrays."""
     import keras
 
-    return [keras.ops.convert_to_numpy(v) for v in model.weights]
+    variables = model.weights + (model.optimizer.variables if optimizer else [])
+    return [keras.ops.convert_to_numpy(v).copy() for v in variables]
+
+
+def assert_state_equal(model, before, optimizer=False):
+    """Asserts that `state(model, optimizer)` equals `before`, naming the variable."""
+    import numpy as np
+
+    variables = model.weights + (model.optimizer.variables if optimizer else [])
+    for old, variable, new in zip(before, variables, state(model, optimizer)):
+        np.testing.assert_array_equal(old, new, err_msg=variable.path)
 
 
 # Puts the blocker below in place, then runs the script named by argv[1].
 _BLOCKED_RUN = """
 import runpy, sys
-import backend_subprocess
-backend_subprocess.block_tensorflow()
+import harness
+harness.block_tensorflow()
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
@@ -105,7 +128,7 @@ def script_path(script):
 
 def script_env(backend, extra_env=None):
     """The environment a script runs in: `backend`, and `tests/`, `tests/scripts/`
-    and the repository root importable (for `backend_subprocess`, the scripts'
+    and the repository root importable (for `harness`, the scripts'
     helper modules and `reproduction`)."""
     env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
     path = [TESTS_DIR, SCRIPTS_DIR, ROOT] + (
