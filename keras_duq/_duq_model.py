@@ -459,24 +459,6 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
             _health.check_predictions(self, kernel_values)
         return kernel_values
 
-    @functools.wraps(keras.Model.train_on_batch)
-    def train_on_batch(self, x: Any, y: Any = None, *args: Any, **kwargs: Any) -> Any:
-        _data_checks.check_call_data(self, "fit", {"x": x, "y": y})
-        with _failed_call_guard(self, _trainer.optimizer_steps_or_zero(self)):
-            return super().train_on_batch(x, y, *args, **kwargs)
-
-    @functools.wraps(keras.Model.test_on_batch)
-    def test_on_batch(self, x: Any, y: Any = None, *args: Any, **kwargs: Any) -> Any:
-        _data_checks.check_call_data(self, "evaluate", {"x": x, "y": y})
-        with _failed_call_guard(self):
-            return super().test_on_batch(x, y, *args, **kwargs)
-
-    @functools.wraps(keras.Model.predict_on_batch)
-    def predict_on_batch(self, x: Any) -> Any:
-        _data_checks.check_call_data(self, "predict", {"x": x})
-        with _failed_call_guard(self):
-            return super().predict_on_batch(x)
-
     # ---------------------------------------------------------------- export
 
     def export(

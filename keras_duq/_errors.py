@@ -7,17 +7,21 @@ from keras_duq._validation import NON_FINITE_CENTROID_MESSAGE
 from keras_duq._validation import NON_FINITE_INPUT_MESSAGE
 from keras_duq._validation import NON_FINITE_STEP_MESSAGE
 from keras_duq._validation import label_range_message
+from keras_duq._validation import label_shape_message
 
 # Error codes of a batch or step, as the steps compute them; 0 means none.
 LABEL_RANGE, FRACTIONAL_LABEL, NON_FINITE_INPUT = 1, 2, 3
 NON_FINITE_STEP, NON_FINITE_CENTROIDS = 4, 5
-BATCH_ERRORS = (LABEL_RANGE, FRACTIONAL_LABEL, NON_FINITE_INPUT)
+# Labels whose shape only the batch tells (TensorFlow's relaxed retraces).
+LABEL_SHAPE = 6
+BATCH_ERRORS = (LABEL_RANGE, FRACTIONAL_LABEL, NON_FINITE_INPUT, LABEL_SHAPE)
 REASONS = {
     LABEL_RANGE: "label_range",
     FRACTIONAL_LABEL: "fractional_label",
     NON_FINITE_INPUT: "non_finite_input",
     NON_FINITE_STEP: "non_finite_step",
     NON_FINITE_CENTROIDS: "non_finite_centroids",
+    LABEL_SHAPE: "label_shape",
 }
 
 
@@ -29,6 +33,7 @@ def error_message(code: int, num_classes: int) -> str:
         NON_FINITE_INPUT: NON_FINITE_INPUT_MESSAGE,
         NON_FINITE_STEP: NON_FINITE_STEP_MESSAGE,
         NON_FINITE_CENTROIDS: NON_FINITE_CENTROID_MESSAGE,
+        LABEL_SHAPE: label_shape_message(num_classes, "other than these"),
     }[code]
 
 
@@ -36,8 +41,9 @@ class DUQBatchError(ValueError):
     """A batch or training step that DUQ's step rejected before it changed anything.
 
     Raised by `fit`, `evaluate`, `train_on_batch` and `test_on_batch` on
-    every backend when a batch holds labels out of range or fractional, or
-    non-finite inputs, or when a training step's loss, gradients or centroid
+    every backend when a batch holds labels out of range or fractional (or,
+    on TensorFlow, of a shape only the batch tells), or non-finite inputs,
+    or when a training step's loss, gradients or centroid
     update are not finite. The rejected batch changed no weight, centroid,
     optimizer slot or `optimizer.iterations`.
 
@@ -51,8 +57,9 @@ class DUQBatchError(ValueError):
     ```
 
     Args:
-        reason: `"label_range"`, `"fractional_label"`, `"non_finite_input"`,
-            `"non_finite_step"` or `"non_finite_centroids"`; kept as the
+        reason: `"label_range"`, `"fractional_label"`, `"label_shape"`,
+            `"non_finite_input"`, `"non_finite_step"` or
+            `"non_finite_centroids"`; kept as the
             attribute `reason`.
         message: what happened and how to fix it.
         steps_applied: in `fit`, the training steps of the call that were

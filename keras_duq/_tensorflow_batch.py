@@ -36,15 +36,15 @@ def _labels_of_unknown_format(y, num_classes):
     is_indices = tf.logical_or(
         tf.equal(rank, 1), tf.logical_and(tf.equal(rank, 2), tf.equal(last, 1))
     )
-    shape_check = tf.debugging.Assert(
-        tf.logical_or(is_one_hot, is_indices),
-        [label_shape_message(num_classes, "(printed next)"), tf.shape(y)],
-    )
-    with tf.control_dependencies([shape_check]):
-        flat = tf.reshape(y, (-1,))
+    flat = tf.reshape(y, (-1,))
     # One-hot labels pass the index checks trivially: they only bind for indices.
     candidate = tf.where(is_one_hot, tf.zeros_like(flat), flat)
     indices_one_hot, code = _trainer.labels_to_one_hot(candidate, num_classes)
+    # A shape that is neither is the batch's error, before its values'.
+    shape_code = tf.where(
+        tf.logical_or(is_one_hot, is_indices), 0, _trainer.LABEL_SHAPE
+    )
+    code = _trainer.first_error(tf.cast(shape_code, code.dtype), code)
     one_hot = tf.cond(
         is_one_hot,
         lambda: tf.cast(tf.reshape(flat, (-1, num_classes)), "float32"),

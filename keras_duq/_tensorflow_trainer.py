@@ -84,12 +84,36 @@ class TensorFlowTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
     input_gradients = _INPUT_GRADIENTS
 
     def make_train_function(self, force=False):
-        self._error_code()
-        return super().make_train_function(force)
+        return self._checked_function(
+            "train_function", super().make_train_function, force
+        )
 
     def make_test_function(self, force=False):
+        return self._checked_function(
+            "test_function", super().make_test_function, force
+        )
+
+    def _checked_function(self, attribute, make, force):
+        """Keras's train/test function, raising a `DUQBatchError` where a
+        step's checks failed (TensorFlow raises a graph error for them)."""
         self._error_code()
-        return super().make_test_function(force)
+        make(force)
+        function = getattr(self, attribute)
+        if function is None or getattr(function, "_duq_checked", False):
+            return function
+
+        def checked(*args, **kwargs):
+            try:
+                return function(*args, **kwargs)
+            except tf.errors.InvalidArgumentError as error:
+                rejected = self._batch_error(error)
+                if rejected is None:
+                    raise
+                raise rejected from error
+
+        checked._duq_checked = True
+        setattr(self, attribute, checked)
+        return checked
 
     def _error_code(self):
         """The variable a step writes its error code into before its checks

@@ -44,6 +44,7 @@ from keras_duq import _penalty_input
 from keras_duq._errors import BATCH_ERRORS  # noqa: F401 (the steps' codes)
 from keras_duq._errors import FRACTIONAL_LABEL
 from keras_duq._errors import LABEL_RANGE
+from keras_duq._errors import LABEL_SHAPE  # noqa: F401
 from keras_duq._errors import NON_FINITE_CENTROIDS  # noqa: F401
 from keras_duq._errors import NON_FINITE_INPUT
 from keras_duq._errors import NON_FINITE_STEP  # noqa: F401

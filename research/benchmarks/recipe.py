@@ -575,6 +575,7 @@ def run(problem, seed, method, overrides, epochs=None, clipnorm=None):
             ood_auroc=float(metrics["auroc"]),
             ood_fpr_at_95_tpr=float(metrics["fpr_at_95_tpr"]),
             ood_certainty_mean=float(ood_scores.max(1).mean()),
+            **_threshold_from_validation(test_scores.max(1), ood_scores.max(1), seed),
         )
     if problem == "two_moons" and method == "duq":
         from research.reproduction import two_moons as moons
@@ -589,6 +590,21 @@ def run(problem, seed, method, overrides, epochs=None, clipnorm=None):
             )
         )
     return record
+
+
+def _threshold_from_validation(certainty, ood_certainty, seed, keep=0.95):
+    """The deployment rule of docs/guide/calibration.md, measured: a threshold
+    that accepts `keep` of one half of the in-distribution test set (the
+    validation half, a seeded draw), and what it accepts of the other half
+    and of the OoD set."""
+    order = np.random.default_rng(seed + 7919).permutation(len(certainty))
+    validation, held_out = order[: len(order) // 2], order[len(order) // 2 :]
+    threshold = evaluation.certainty_threshold(certainty[validation], keep=keep)
+    return {
+        "threshold_keep95": threshold,
+        "held_out_accepted": float(np.mean(certainty[held_out] >= threshold)),
+        "ood_accepted": float(np.mean(ood_certainty >= threshold)),
+    }
 
 
 def summarize(paths):
