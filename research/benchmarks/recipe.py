@@ -249,6 +249,10 @@ def ag_news(seed):
     )
 
 
+# `--mask-zero`: the text problems' Embedding leaves padding out of the pooling.
+MASK_ZERO = False
+
+
 def _text_problem(train, test, ood):
     """CLINC150's text model on `(texts, labels)` pairs and OoD texts.
 
@@ -269,7 +273,9 @@ def _text_problem(train, test, ood):
         return keras.Sequential(
             [
                 keras.Input((32,), dtype="int32"),
-                keras.layers.Embedding(20_000, 64, name="embedding"),
+                keras.layers.Embedding(
+                    20_000, 64, mask_zero=MASK_ZERO, name="embedding"
+                ),
                 keras.layers.GlobalAveragePooling1D(),
                 keras.layers.Dense(128, activation="relu"),
             ]
@@ -660,6 +666,12 @@ def main(argv=None):
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--softmax", action="store_true", help="Also a softmax head.")
     parser.add_argument(
+        "--mask-zero",
+        action="store_true",
+        help="Text problems: an Embedding with mask_zero=True (padding left out "
+        "of the pooled average), for both heads.",
+    )
+    parser.add_argument(
         "--softmax-only", action="store_true", help="A softmax head only."
     )
     parser.add_argument(
@@ -686,6 +698,8 @@ def main(argv=None):
         return
     if args.problem is None:
         parser.error("--problem is required (or --summarize)")
+    global MASK_ZERO
+    MASK_ZERO = args.mask_zero
     overrides = dict(keras_duq.PAPER_SETTINGS) if args.preset == "paper" else {}
     for item in args.set:
         name, value = item.split("=", 1)
@@ -693,8 +707,10 @@ def main(argv=None):
     methods = ["duq"] + (["softmax"] if args.softmax else [])
     if args.softmax_only:
         methods = ["softmax"]
-    softmax_label = "softmax" + (
-        f", clipnorm={args.clipnorm:g}" if args.clipnorm is not None else ""
+    softmax_label = (
+        "softmax"
+        + (f", clipnorm={args.clipnorm:g}" if args.clipnorm is not None else "")
+        + (", mask_zero" if args.mask_zero else "")
     )
     for seed in args.seeds:
         for method in methods:
