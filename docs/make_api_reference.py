@@ -29,7 +29,7 @@ import os
 import re
 import sys
 
-NAMESPACES = ("evaluation", "callbacks", "tuning", "plots", "datasets", "batch_norm")
+NAMESPACES = ("evaluation", "callbacks", "tuning", "plots", "datasets")
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUTPUT = os.path.join(HERE, "api.md")
 

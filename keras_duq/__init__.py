@@ -28,8 +28,6 @@ Around it, each in its own namespace (imported on first use):
   BatchNormalization statistics re-estimated after each epoch.
 - `keras_duq.plots`: the paper's figures (needs matplotlib).
 - `keras_duq.datasets`: the paper's FashionMNIST vs MNIST data, offline.
-- `keras_duq.batch_norm`: BatchNormalization statistics re-estimated from
-  data, for any Keras model (DUQ or not).
 
 Example:
 
@@ -52,6 +50,7 @@ certainty = model.predict(x_test).max(axis=1)
 
 import importlib
 
+from keras_duq._batch_norm import recompute_batch_norm_statistics
 from keras_duq._duq_model import DUQModel
 from keras_duq._duq_output import DUQOutput
 from keras_duq._errors import DUQBatchError
@@ -67,7 +66,6 @@ from keras_duq._spectral_normalization import SpectralNormalization
 from keras_duq._spectral_normalization import spectral_normalize
 from keras_duq._wrap import PAPER_SETTINGS
 from keras_duq._wrap import wrap
-from keras_duq.batch_norm import recompute_batch_norm_statistics
 
 __version__ = "0.2.0"
 
@@ -91,7 +89,7 @@ __all__ = [
     "__version__",
 ]
 
-_SUBMODULES = ("batch_norm", "callbacks", "datasets", "evaluation", "plots", "tuning")
+_SUBMODULES = ("callbacks", "datasets", "evaluation", "plots", "tuning")
 
 
 def __getattr__(name):

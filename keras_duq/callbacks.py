@@ -16,9 +16,9 @@ import keras
 import numpy as np
 
 from keras_duq import _health
+from keras_duq._batch_norm import RecomputeBatchNormStatistics  # noqa: F401 - public here
 from keras_duq._health import HealthCheck  # noqa: F401 - public here
 from keras_duq._validation import check_int
-from keras_duq.batch_norm import RecomputeBatchNormStatistics  # noqa: F401 - public here
 from keras_duq.evaluation import CERTAINTY_METHODS
 from keras_duq.evaluation import certainty_scores
 from keras_duq.evaluation import misclassification_auroc

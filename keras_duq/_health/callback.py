@@ -11,14 +11,14 @@ from typing import Any
 import keras
 import numpy as np
 
+from keras_duq._batch_norm import RecomputeBatchNormStatistics
+from keras_duq._batch_norm import as_arrays
+from keras_duq._batch_norm import batch_norm_layers
+from keras_duq._batch_norm import inputs_of
 from keras_duq._health import checks
 from keras_duq._health import rules
 from keras_duq._health.state import state_of
 from keras_duq._validation import check_positive_int
-from keras_duq.batch_norm import RecomputeBatchNormStatistics
-from keras_duq.batch_norm import as_arrays
-from keras_duq.batch_norm import batch_norm_layers
-from keras_duq.batch_norm import inputs_of
 
 if TYPE_CHECKING:
     from keras_duq._duq_model import DUQModel

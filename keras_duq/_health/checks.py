@@ -11,6 +11,12 @@ from keras import ops
 
 from keras_duq import _compat
 from keras_duq import _ops
+from keras_duq._batch_norm import average_statistics
+from keras_duq._batch_norm import batch_norm_layers
+from keras_duq._batch_norm import in_chunks
+from keras_duq._batch_norm import normalisation_error
+from keras_duq._batch_norm import settled_by_recompute
+from keras_duq._batch_norm import with_statistics
 from keras_duq._health import rules
 from keras_duq._health.state import state_of
 from keras_duq._health.state import warn_once
@@ -24,12 +30,6 @@ from keras_duq._health.warning_types import LowCertaintyWarning
 from keras_duq._validation import is_float
 from keras_duq._values import optimizer_steps
 from keras_duq._values import to_float64
-from keras_duq.batch_norm import average_statistics
-from keras_duq.batch_norm import batch_norm_layers
-from keras_duq.batch_norm import in_chunks
-from keras_duq.batch_norm import normalisation_error
-from keras_duq.batch_norm import settled_by_recompute
-from keras_duq.batch_norm import with_statistics
 
 if TYPE_CHECKING:
     from keras_duq._duq_model import DUQModel

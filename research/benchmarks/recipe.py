@@ -156,17 +156,28 @@ def clinc150(seed):
     return _text_problem(split("train"), split("test"), split("oos_test")[0])
 
 
+def _data_path(variable, what):
+    """The path in environment variable `variable`, which must hold `what`."""
+    path = os.environ.get(variable)
+    if not path:
+        raise ValueError(f"Set {variable} to {what} (see the module docstring).")
+    return path
+
+
+def _known_intents(intents, count, seed):
+    """`{intent: class}` for `count` of `intents` drawn by `seed`; the rest are OoD."""
+    known = sorted(np.random.default_rng(seed).permutation(sorted(intents))[:count])
+    return {intent: i for i, intent in enumerate(known)}
+
+
 def hwu64_held_out(seed):
     """HWU64's queries: 48 intents in scope, the other 16 (a seeded draw) OoD."""
     import csv
     import glob
 
-    folder = os.environ.get("HWU64_DIR")
-    if not folder:
-        raise ValueError(
-            "Set HWU64_DIR to the folder rebuilt from xliuhw/NLU-Evaluation-Data "
-            "(see the module docstring)."
-        )
+    folder = _data_path(
+        "HWU64_DIR", "the folder rebuilt from xliuhw/NLU-Evaluation-Data"
+    )
     rows = []
     for path in sorted(glob.glob(os.path.join(folder, "**", "*.csv"), recursive=True)):
         fold = int(path.split("KFold_")[1].split(os.sep)[0])
@@ -176,9 +187,7 @@ def hwu64_held_out(seed):
                 rows.append((fold, intent, row["answer_from_anno"]))
     if not rows:
         raise ValueError(f"No HWU64 CSV files under HWU64_DIR={folder!r}")
-    intents = sorted({intent for _, intent, _ in rows})
-    known = sorted(np.random.default_rng(seed).permutation(intents)[:48])
-    index = {intent: i for i, intent in enumerate(known)}
+    index = _known_intents({intent for _, intent, _ in rows}, 48, seed)
     texts = np.array([text for _, _, text in rows])
     labels = np.array([index.get(intent, -1) for _, intent, _ in rows])
     train = np.array([fold <= 8 for fold, _, _ in rows]) & (labels >= 0)
@@ -194,19 +203,12 @@ def banking77_held_out(seed):
     """Banking77's queries: 60 intents in scope, the other 17 (a seeded draw) OoD."""
     import csv
 
-    folder = os.environ.get("BANKING77_DIR")
-    if not folder:
-        raise ValueError(
-            "Set BANKING77_DIR to the folder holding Banking77's train.csv and "
-            "test.csv (see the module docstring)."
-        )
+    folder = _data_path("BANKING77_DIR", "the folder holding Banking77's CSV files")
     splits = {}
     for name in ("train", "test"):
         with open(os.path.join(folder, f"{name}.csv"), newline="") as f:
             splits[name] = [(row["text"], row["category"]) for row in csv.DictReader(f)]
-    intents = sorted({intent for _, intent in splits["train"]})
-    known = sorted(np.random.default_rng(seed).permutation(intents)[:60])
-    index = {intent: i for i, intent in enumerate(known)}
+    index = _known_intents({intent for _, intent in splits["train"]}, 60, seed)
 
     def split(name):
         texts = np.array([text for text, _ in splits[name]])
@@ -226,12 +228,8 @@ def ag_news(seed):
     Banking77's test queries (short, in-scope for no topic)."""
     import csv
 
-    path = os.environ.get("AG_NEWS_CSV")
-    if not path or not os.environ.get("BANKING77_DIR"):
-        raise ValueError(
-            "Set AG_NEWS_CSV to AG News's test.csv and BANKING77_DIR to "
-            "Banking77's folder (see the module docstring)."
-        )
+    path = _data_path("AG_NEWS_CSV", "AG News's test.csv")
+    banking = _data_path("BANKING77_DIR", "the folder holding Banking77's CSV files")
     with open(path, newline="") as f:
         rows = [
             (r["title"] + " " + r["description"], int(r["label"]) - 1)
@@ -242,7 +240,7 @@ def ag_news(seed):
     order = np.random.default_rng(seed).permutation(len(rows))
     cut = int(0.7 * len(rows))
     train, test = order[:cut], order[cut:]
-    with open(os.path.join(os.environ["BANKING77_DIR"], "test.csv"), newline="") as f:
+    with open(os.path.join(banking, "test.csv"), newline="") as f:
         ood = np.array([row["text"] for row in csv.DictReader(f)])
     return _text_problem(
         (texts[train], labels[train]), (texts[test], labels[test]), ood

@@ -11,7 +11,7 @@ Example:
 
 ```python
 model.fit(x_train, y_train, epochs=3)
-keras_duq.batch_norm.recompute_batch_norm_statistics(model, x_train[:5000])
+keras_duq._batch_norm.recompute_batch_norm_statistics(model, x_train[:5000])
 ```
 """
 
