@@ -19,6 +19,7 @@ from keras_duq._health import checks
 from keras_duq._health import rules
 from keras_duq._health.state import state_of
 from keras_duq._validation import check_positive_int
+from keras_duq._values import optimizer_steps
 
 if TYPE_CHECKING:
     from keras_duq._duq_model import DUQModel
@@ -152,10 +153,15 @@ class HealthCheck(keras.callbacks.Callback):
         if not checks.warmed_up(model):
             checks.check_short_run(model, getattr(self, "_last_logs", {}))
             # Moving statistics lag behind the weights of a short training
-            # most: they are checked whatever the centroids' state.
-            if self.inputs is not None and batch_norm_layers(model.feature_extractor):
+            # most, and a low certainty is worth knowing whatever the
+            # centroids' state: both are checked before the warm-up too.
+            if self.inputs is not None and (
+                batch_norm_layers(model.feature_extractor)
+                or (optimizer_steps(model) or 0) >= rules.WARMUP_STEPS
+            ):
                 comparison = checks.ModeComparison(model, self.inputs, self.batch_size)
                 checks.check_batch_norm(model, comparison, "end of `fit`")
+                checks.check_low_certainty(model, comparison, "end of `fit`")
         else:
             checks.check_final_state(
                 model,

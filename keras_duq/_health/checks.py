@@ -306,16 +306,6 @@ def check_short_run(model, logs):
         return
     layer = model.duq_output
     steps = optimizer_steps(model) or 0
-    prior = (
-        _ops.BIAS_CORRECTED_CENTROID_COUNT
-        if layer.bias_correction
-        else _ops.INITIAL_CENTROID_COUNT
-    )
-    random_share = (
-        prior
-        * layer.momentum**steps
-        / max(to_float64(layer.centroid_counts).mean(), 1e-12)
-    )
     warn_once(
         model,
         "short_run",
@@ -325,7 +315,7 @@ def check_short_run(model, logs):
         f"{rules.NEGLIGIBLE_CERTAINTY:g}) and a constant gradient penalty: the "
         "model's certainty means nothing yet, and its "
         "predictions can stay at one class. The centroids still owe "
-        f"{min(random_share, 1.0):.0%} of their value to their random start "
+        f"{centroid_random_share(model):.0%} of their value to their random start "
         f"(`momentum={layer.momentum:g}`). For a short run, pass "
         "`bias_correction=True` (centroids from the class means of the first "
         "batches) or a lower `momentum` (e.g. 0.9), or train longer.",
@@ -345,16 +335,28 @@ def check_final_state(model, inputs, where, training=False, chunk_size=None):
         if training:
             check_underflow(model, comparison.underflow_training, "training", where)
         check_underflow(model, comparison.underflow_inference, "inference", where)
-        if comparison.underflow_inference < rules.MOST_EXAMPLES and warmed_up(model):
-            check_low_certainty(model, comparison, where)
+        check_low_certainty(model, comparison, where)
     check_centroid_overlap(model, where)
 
 
 def check_low_certainty(model, comparison, where):
-    """Warns when in-distribution inputs get a certainty far below any hand-picked threshold."""
+    """Warns when in-distribution inputs get a certainty far below any
+    hand-picked threshold (after `rules.WARMUP_STEPS` steps; kernel values
+    that underflow have their own warning)."""
     certainty = comparison.certainty_inference
-    if not certainty < rules.LOW_CERTAINTY:
+    if (
+        not certainty < rules.LOW_CERTAINTY
+        or comparison.underflow_inference >= rules.MOST_EXAMPLES
+        or (optimizer_steps(model) or 0) < rules.WARMUP_STEPS
+    ):
         return
+    share = centroid_random_share(model)
+    start = (
+        f" The centroids still owe {share:.0%} of their value to their random "
+        "start: training longer moves them to the data."
+        if share > rules.WARMUP_DATA_SHARE
+        else ""
+    )
     warn_once(
         model,
         "low_certainty",
@@ -369,8 +371,20 @@ def check_low_certainty(model, comparison, where):
         "accepts 95% of it; serve it with `model.export(path, "
         "certainty_threshold=t)`. To raise the certainty itself, train longer "
         "or use a larger `length_scale` (each kernel value is exp(-distance^2 "
-        "/ (2 length_scale^2))).",
+        "/ (2 length_scale^2)))." + start,
     )
+
+
+def centroid_random_share(model):
+    """The share of the centroids' moving averages still owed to their random start."""
+    layer = model.duq_output
+    prior = (
+        _ops.BIAS_CORRECTED_CENTROID_COUNT
+        if layer.bias_correction
+        else _ops.INITIAL_CENTROID_COUNT
+    )
+    initial = prior * layer.momentum ** (optimizer_steps(model) or 0)
+    return min(initial / max(to_float64(layer.centroid_counts).mean(), 1e-12), 1.0)
 
 
 def check_predictions(model: DUQModel, kernel_values: Any) -> None:
