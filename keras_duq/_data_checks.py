@@ -23,6 +23,7 @@ from keras_duq._validation import NON_FINITE_INPUT_MESSAGE
 from keras_duq._validation import label_dtype_message
 from keras_duq._validation import label_range_message
 from keras_duq._validation import label_shape_message
+from keras_duq._validation import non_finite_rows
 
 NO_LABELS_MESSAGE = (
     "DUQModel needs labels to train and evaluate: pass `y` (or a dataset of "
@@ -158,13 +159,7 @@ def _check_shape(where, spec, array):
 
 
 def _check_finite(where, array):
-    # A sum is one fast pass; the exact check only runs where it is not finite
-    # (or a large sum overflowed).
-    with np.errstate(over="ignore", invalid="ignore"):
-        if np.isfinite(np.sum(array)):
-            return
-    finite = np.isfinite(array.reshape(array.shape[0], -1)).all(axis=1)
-    bad = np.flatnonzero(~finite)
+    bad = non_finite_rows(array)
     if bad.size == 0:
         return
     raise ValueError(

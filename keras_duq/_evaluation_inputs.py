@@ -6,6 +6,8 @@ import math
 
 import numpy as np
 
+from keras_duq._validation import non_finite_rows
+
 
 def count_for_fraction(total, fraction):
     # Rounded before the ceiling so that 0.9 * 10 (9.000000000000002 in
@@ -65,11 +67,12 @@ def as_correct(name, values, length):
 
 
 def check_finite(name, values):
-    if not np.all(np.isfinite(values)):
+    bad = non_finite_rows(values)
+    if bad.size:
         raise ValueError(
             f"`{name}` contains NaN or infinite values "
-            f"({int(np.sum(~np.isfinite(values)))} of {values.size}). Check the "
-            "model's predictions (a diverged model predicts NaN)."
+            f"({bad.size} of {len(values)}, the first at index {int(bad[0])}). "
+            "Check the model's predictions (a diverged model predicts NaN)."
         )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 
+from keras_duq._validation import non_finite_rows
 from keras_duq._wrap import argument_names
 
 # The arguments `search` chooses itself.
@@ -46,12 +47,13 @@ def check_inputs(name, x):
             + (f" with lengths {sorted(lengths)}" if lengths else "")
         )
     for leaf in leaves:
-        array = np.asarray(leaf)
-        if np.issubdtype(array.dtype, np.floating) and not np.all(np.isfinite(array)):
+        bad = non_finite_rows(leaf)
+        if bad.size:
             raise ValueError(
                 f"`{name}` contains NaN or infinite values. Clean or impute "
                 "the data before the search (e.g. `np.nan_to_num`). Received: "
-                f"{int(np.sum(~np.isfinite(array)))} non-finite values"
+                f"{bad.size} example(s) with non-finite values, the first at "
+                f"index {int(bad[0])}"
             )
     (num_examples,) = lengths
     if num_examples == 0:

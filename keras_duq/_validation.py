@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import keras
+import numpy as np
 
 from keras_duq._typing import Tensor
 
@@ -149,3 +150,19 @@ def standardize_inputs(specs: Any, x: Any) -> Any:
 def is_float(dtype: Any) -> bool:
     """Whether `dtype` (any form Keras accepts) is a floating-point type."""
     return keras.backend.is_float_dtype(keras.backend.standardize_dtype(dtype))
+
+
+def non_finite_rows(array: np.ndarray) -> np.ndarray:
+    """The indices of the rows (first axis) of `array` holding NaN or Inf.
+
+    A sum is one fast pass; the exact check runs only where it is not finite
+    (or a large sum overflowed). Integer arrays are always finite.
+    """
+    array = np.asarray(array)
+    if array.dtype.kind not in "fc":
+        return np.zeros((0,), np.int64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        if np.isfinite(np.sum(array)):
+            return np.zeros((0,), np.int64)
+    rows = array.reshape(array.shape[0], -1) if array.ndim else array.reshape(1, 1)
+    return np.flatnonzero(~np.isfinite(rows).all(axis=1))
