@@ -40,13 +40,14 @@ def check_call_data(model: Any, method: str, arguments: dict[str, Any]) -> None:
     x, y = arguments.get("x"), arguments.get("y")
     weights = arguments.get("sample_weight")
     validation = arguments.get("validation_data")
+    if isinstance(validation, (tuple, list)):
+        validation = keras.utils.unpack_x_y_sample_weight(tuple(validation))
+    else:
+        validation = None  # a dataset: checked batch by batch
     if method != "predict":
         # Labels that are not numbers (strings, objects), before Keras's data
         # adapter fails on them with a bare dtype error.
-        val_y = None
-        if isinstance(validation, (tuple, list)):
-            val_y = keras.utils.unpack_x_y_sample_weight(tuple(validation))[1]
-        for labels in (y, val_y):
+        for labels in (y, validation and validation[1]):
             dtype = array_dtype(labels)
             if dtype is not None and dtype.kind not in "iuf":
                 raise ValueError(label_dtype_message(model.num_classes, dtype))
@@ -63,10 +64,8 @@ def check_call_data(model: Any, method: str, arguments: dict[str, Any]) -> None:
     check_arrays(
         method, inputs, x, y, model.num_classes, "x", labels=method != "predict"
     )
-    if isinstance(validation, (tuple, list)):
-        val_x, val_y, val_weights = keras.utils.unpack_x_y_sample_weight(
-            tuple(validation)
-        )
+    if validation is not None:
+        val_x, val_y, val_weights = validation
         if _compat.is_array_data(val_x, val_y, val_weights):
             check_arrays(
                 method, inputs, val_x, val_y, model.num_classes, "validation_data"

@@ -70,6 +70,10 @@ class DUQBatchError(ValueError):
     def __init__(
         self, reason: str, message: str, steps_applied: int | None = None
     ) -> None:
+        self.reason = reason
+        self.steps_applied = steps_applied
+        # Without the count: `_after_steps` adds its own.
+        self._cause = message
         if steps_applied is not None:
             message = (
                 f"{message} The rejected batch changed nothing; {steps_applied} "
@@ -77,14 +81,10 @@ class DUQBatchError(ValueError):
                 "and the model keeps them."
             )
         super().__init__(message)
-        self.reason = reason
-        self.steps_applied = steps_applied
-        self._message = message if steps_applied is None else None
 
     def _after_steps(self, steps_applied: int) -> DUQBatchError:
         """The same error, saying how many steps of `fit` were applied before it."""
-        base = self._message if self._message is not None else str(self)
-        return DUQBatchError(self.reason, base, steps_applied)
+        return DUQBatchError(self.reason, self._cause, steps_applied)
 
 
 def batch_error(code: int, num_classes: int) -> DUQBatchError:

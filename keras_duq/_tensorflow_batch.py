@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from keras_duq import _errors
 from keras_duq import _trainer
 from keras_duq._validation import label_shape_message
 
@@ -41,9 +42,7 @@ def _labels_of_unknown_format(y, num_classes):
     candidate = tf.where(is_one_hot, tf.zeros_like(flat), flat)
     indices_one_hot, code = _trainer.labels_to_one_hot(candidate, num_classes)
     # A shape that is neither is the batch's error, before its values'.
-    shape_code = tf.where(
-        tf.logical_or(is_one_hot, is_indices), 0, _trainer.LABEL_SHAPE
-    )
+    shape_code = tf.where(tf.logical_or(is_one_hot, is_indices), 0, _errors.LABEL_SHAPE)
     code = _trainer.first_error(tf.cast(shape_code, code.dtype), code)
     one_hot = tf.cond(
         is_one_hot,

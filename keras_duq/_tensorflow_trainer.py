@@ -35,6 +35,7 @@ from keras import ops
 
 from keras_duq import _compat
 from keras_duq import _data_feeding
+from keras_duq import _errors
 from keras_duq import _moments
 from keras_duq import _ops
 from keras_duq import _trainer
@@ -151,7 +152,7 @@ class TensorFlowTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
             )
             if code:
                 variable.assign(0)
-                return _trainer.batch_error(code, self.num_classes)
+                return _errors.batch_error(code, self.num_classes)
         return super()._batch_error(error)
 
     def train_step(self, data):
@@ -204,7 +205,7 @@ class TensorFlowTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
             checks = checks + [restored]
         else:
             applied = None
-            recorded = self._recorded(tf.where(finite, 0, _trainer.NON_FINITE_STEP))
+            recorded = self._recorded(tf.where(finite, 0, _errors.NON_FINITE_STEP))
             with tf.control_dependencies([restored, recorded]):
                 checks = checks + [
                     tf.debugging.Assert(finite, [NON_FINITE_STEP_MESSAGE])
@@ -271,9 +272,9 @@ class TensorFlowTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
             checks = [
                 tf.debugging.Assert(
                     tf.not_equal(code, error),
-                    [_trainer.error_message(error, self.num_classes)],
+                    [_errors.error_message(error, self.num_classes)],
                 )
-                for error in _trainer.BATCH_ERRORS
+                for error in _errors.BATCH_ERRORS
             ]
         with tf.control_dependencies(checks):
             x, labels_one_hot, sample_weight = tf.nest.map_structure(
@@ -415,7 +416,7 @@ def assign_centroid_state(layer, features, labels_one_hot, rollback=None, record
     finite = layer.update_centroids(features, labels_one_hot)
     restored = [] if rollback is None else [_restore_unless(finite, *rollback)]
     if record is not None:
-        restored.append(record(tf.where(finite, 0, _trainer.NON_FINITE_CENTROIDS)))
+        restored.append(record(tf.where(finite, 0, _errors.NON_FINITE_CENTROIDS)))
     with tf.control_dependencies(restored):
         tf.debugging.Assert(finite, [NON_FINITE_CENTROID_MESSAGE])
 

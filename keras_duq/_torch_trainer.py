@@ -25,6 +25,7 @@ from __future__ import annotations
 import keras
 import torch
 
+from keras_duq import _errors
 from keras_duq import _trainer
 
 
@@ -88,7 +89,7 @@ class TorchTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
         if not finite:
             _assign(layer_state, saved)
             if not self._uses_loss_scale():
-                self._raise(_trainer.NON_FINITE_STEP)
+                self._raise(_errors.NON_FINITE_STEP)
             # It skips such a step itself and lowers the loss scale; the
             # centroids and metrics stay as they are.
             with torch.no_grad():
@@ -101,7 +102,7 @@ class TorchTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
             features = self.feature_extractor(x, training=False)
             if not bool(self.duq_output.update_centroids(features, labels_one_hot)):
                 _assign(weights + optimizer_state + layer_state, before + saved)
-                self._raise(_trainer.NON_FINITE_CENTROIDS)
+                self._raise(_errors.NON_FINITE_CENTROIDS)
             self._update_duq_metrics(batch, _detached(step_values))
         return self.get_metrics_result()
 
@@ -133,7 +134,7 @@ class TorchTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
 
     def _raise(self, code):
         if code:
-            raise _trainer.batch_error(code, self.num_classes)
+            raise _errors.batch_error(code, self.num_classes)
 
 
 def _all_finite(tensors):

@@ -41,16 +41,10 @@ from keras_duq import _compat
 from keras_duq import _health
 from keras_duq import _ops
 from keras_duq import _penalty_input
-from keras_duq._errors import BATCH_ERRORS  # noqa: F401 (the steps' codes)
 from keras_duq._errors import FRACTIONAL_LABEL
 from keras_duq._errors import LABEL_RANGE
-from keras_duq._errors import LABEL_SHAPE  # noqa: F401
-from keras_duq._errors import NON_FINITE_CENTROIDS  # noqa: F401
 from keras_duq._errors import NON_FINITE_INPUT
-from keras_duq._errors import NON_FINITE_STEP  # noqa: F401
 from keras_duq._errors import DUQBatchError
-from keras_duq._errors import batch_error  # noqa: F401
-from keras_duq._errors import error_message  # noqa: F401
 from keras_duq._validation import is_float
 from keras_duq._validation import label_dtype_message
 from keras_duq._validation import label_shape_message

@@ -226,19 +226,7 @@ def warmed_up(model):
     iterations = optimizer_steps(model)
     if iterations is None or iterations < rules.WARMUP_STEPS:
         return False
-    layer = model.duq_output
-    prior = (
-        _ops.BIAS_CORRECTED_CENTROID_COUNT
-        if layer.bias_correction
-        else _ops.INITIAL_CENTROID_COUNT
-    )
-    # What is left of the initial count; the mean over classes, so that a
-    # class never seen does not hold the checks back.
-    initial = prior * layer.momentum**iterations
-    return bool(
-        initial
-        <= (1.0 - rules.WARMUP_DATA_SHARE) * to_float64(layer.centroid_counts).mean()
-    )
+    return bool(centroid_random_share(model) <= 1.0 - rules.WARMUP_DATA_SHARE)
 
 
 def check_unseen_classes(model):
@@ -315,7 +303,7 @@ def check_short_run(model, logs):
         f"{rules.NEGLIGIBLE_CERTAINTY:g}) and a constant gradient penalty: the "
         "model's certainty means nothing yet, and its "
         "predictions can stay at one class. The centroids still owe "
-        f"{centroid_random_share(model):.0%} of their value to their random start "
+        f"{min(centroid_random_share(model), 1.0):.0%} of their value to their random start "
         f"(`momentum={layer.momentum:g}`). For a short run, pass "
         "`bias_correction=True` (centroids from the class means of the first "
         "batches) or a lower `momentum` (e.g. 0.9), or train longer.",
@@ -350,7 +338,7 @@ def check_low_certainty(model, comparison, where):
         or (optimizer_steps(model) or 0) < rules.WARMUP_STEPS
     ):
         return
-    share = centroid_random_share(model)
+    share = min(centroid_random_share(model), 1.0)
     start = (
         f" The centroids still owe {share:.0%} of their value to their random "
         "start: training longer moves them to the data."
@@ -376,7 +364,12 @@ def check_low_certainty(model, comparison, where):
 
 
 def centroid_random_share(model):
-    """The share of the centroids' moving averages still owed to their random start."""
+    """What is left of the centroids' initial count, relative to their count now.
+
+    The share of the moving averages still owed to their random start (above
+    1 while the counts have shrunk below the initial one). The mean over
+    classes, so that a class never seen does not hold the checks back.
+    """
     layer = model.duq_output
     prior = (
         _ops.BIAS_CORRECTED_CENTROID_COUNT
@@ -384,7 +377,7 @@ def centroid_random_share(model):
         else _ops.INITIAL_CENTROID_COUNT
     )
     initial = prior * layer.momentum ** (optimizer_steps(model) or 0)
-    return min(initial / max(to_float64(layer.centroid_counts).mean(), 1e-12), 1.0)
+    return initial / max(to_float64(layer.centroid_counts).mean(), 1e-12)
 
 
 def check_predictions(model: DUQModel, kernel_values: Any) -> None:
