@@ -18,11 +18,14 @@ import keras
 import numpy as np
 
 from keras_duq import _compat
+from keras_duq._errors import FRACTIONAL_LABEL
+from keras_duq._errors import LABEL_RANGE
+from keras_duq._errors import is_one_hot
+from keras_duq._errors import label_codes
 from keras_duq._validation import FRACTIONAL_LABEL_MESSAGE
 from keras_duq._validation import NON_FINITE_INPUT_MESSAGE
 from keras_duq._validation import label_dtype_message
 from keras_duq._validation import label_range_message
-from keras_duq._validation import label_shape_message
 from keras_duq._validation import non_finite_rows
 
 NO_LABELS_MESSAGE = (
@@ -170,35 +173,30 @@ def _check_finite(where, array):
 def _check_labels(name, y, num_classes):
     if y.dtype.kind not in "iuf":
         return  # the label dtype check reports it
-    shape = y.shape
-    if y.ndim == 2 and shape[-1] == num_classes and num_classes != 1:
+    if is_one_hot(y.shape, num_classes):
         if y.dtype.kind == "f" and not np.isfinite(y).all():
             raise ValueError(
                 f"One-hot labels must be finite. Received: `{name}` with NaN or Inf."
             )
         return
-    if not (y.ndim == 1 or (y.ndim == 2 and shape[-1] == 1)):
-        raise ValueError(label_shape_message(num_classes, shape))
     labels = y.reshape(-1)
     if labels.size == 0:
         raise ValueError(
-            f"Received empty labels: `{name}` has no examples (shape {shape})."
+            f"Received empty labels: `{name}` has no examples (shape {y.shape})."
         )
-    if y.dtype.kind == "f":
-        with np.errstate(invalid="ignore"):
-            fractional = np.flatnonzero(labels != np.floor(labels))
-        if fractional.size:
-            i = int(fractional[0])
+    with np.errstate(invalid="ignore"):
+        codes = label_codes(labels, num_classes, np)
+    for code, message in (
+        (FRACTIONAL_LABEL, FRACTIONAL_LABEL_MESSAGE),
+        (LABEL_RANGE, label_range_message(num_classes)),
+    ):
+        bad = np.flatnonzero(codes == code)
+        if bad.size:
+            i = int(bad[0])
             raise ValueError(
-                f"{FRACTIONAL_LABEL_MESSAGE} Received: `{name}[{i}]={labels[i].item()!r}`"
+                f"{message} Received: `{name}[{i}]={labels[i].item()!r}` "
+                f"({bad.size} such label(s))."
             )
-    outside = np.flatnonzero((labels < 0) | (labels >= num_classes))
-    if outside.size:
-        i = int(outside[0])
-        raise ValueError(
-            f"{label_range_message(num_classes)} Received: `{name}[{i}]={labels[i].item()!r}` "
-            f"({outside.size} label(s) outside the range)."
-        )
 
 
 def array_dtype(labels):

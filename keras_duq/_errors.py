@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from keras_duq._validation import FRACTIONAL_LABEL_MESSAGE
 from keras_duq._validation import NON_FINITE_CENTROID_MESSAGE
 from keras_duq._validation import NON_FINITE_INPUT_MESSAGE
 from keras_duq._validation import NON_FINITE_STEP_MESSAGE
+from keras_duq._validation import is_float
 from keras_duq._validation import label_range_message
 from keras_duq._validation import label_shape_message
 
@@ -23,6 +26,33 @@ REASONS = {
     NON_FINITE_CENTROIDS: "non_finite_centroids",
     LABEL_SHAPE: "label_shape",
 }
+
+
+def is_one_hot(shape: tuple, num_classes: int) -> bool:
+    """Whether labels of `shape` are one-hot (else class indices).
+
+    Raises the label shape error for a shape that is neither `(batch,
+    num_classes)` nor `(batch,)` / `(batch, 1)`.
+    """
+    if len(shape) == 2 and shape[-1] == num_classes:
+        return True
+    if len(shape) == 1 or (len(shape) == 2 and shape[-1] == 1):
+        return False
+    raise ValueError(label_shape_message(num_classes, shape))
+
+
+def label_codes(labels: Any, num_classes: int, xp: Any) -> Any:
+    """The error code of each class-index label `(batch,)`: 0 when valid.
+
+    `FRACTIONAL_LABEL` for a float label that is not whole (NaN included),
+    else `LABEL_RANGE` outside `[0, num_classes)`. The one rule of what a
+    valid label value is: `xp` is `numpy` for in-memory labels, checked
+    whole before a call, or `keras.ops` for each batch inside the step.
+    """
+    codes = xp.where(xp.logical_and(labels >= 0, labels < num_classes), 0, LABEL_RANGE)
+    if is_float(labels.dtype):
+        codes = xp.where(xp.equal(labels, xp.floor(labels)), codes, FRACTIONAL_LABEL)
+    return codes
 
 
 def error_message(code: int, num_classes: int) -> str:

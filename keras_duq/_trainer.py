@@ -41,13 +41,13 @@ from keras_duq import _compat
 from keras_duq import _health
 from keras_duq import _ops
 from keras_duq import _penalty_input
-from keras_duq._errors import FRACTIONAL_LABEL
-from keras_duq._errors import LABEL_RANGE
 from keras_duq._errors import NON_FINITE_INPUT
 from keras_duq._errors import DUQBatchError
+from keras_duq._errors import is_one_hot
+from keras_duq._errors import label_codes
+from keras_duq._validation import finite_row_mask
 from keras_duq._validation import is_float
 from keras_duq._validation import label_dtype_message
-from keras_duq._validation import label_shape_message
 from keras_duq._validation import own_loss_message
 from keras_duq._validation import standardize_inputs
 from keras_duq._values import optimizer_steps
@@ -130,18 +130,11 @@ def labels_to_one_hot(y, num_classes):
     dtype = keras.backend.standardize_dtype(y.dtype)
     if dtype == "bool" or not ("int" in dtype or is_float(dtype)):
         raise ValueError(label_dtype_message(num_classes, dtype))
-    shape = tuple(y.shape)
-    if len(shape) == 2 and shape[-1] == num_classes:
+    if is_one_hot(tuple(y.shape), num_classes):
         return ops.cast(y, "float32"), ops.zeros((), "int32")
-    if not (len(shape) == 1 or (len(shape) == 2 and shape[-1] == 1)):
-        raise ValueError(label_shape_message(num_classes, shape))
     labels = ops.reshape(y, (-1,))
-    code = ops.zeros((), "int32")
-    if is_float(dtype):
-        whole = ops.all(ops.equal(labels, ops.floor(labels)))
-        code = ops.where(whole, 0, FRACTIONAL_LABEL)
-    in_range = ops.all(ops.logical_and(labels >= 0, labels < num_classes))
-    code = first_error(code, ops.where(in_range, 0, LABEL_RANGE))
+    # The worst code of the batch: a fractional label before one out of range.
+    code = ops.cast(ops.max(label_codes(labels, num_classes, ops)), "int32")
     indices = ops.cast(ops.clip(labels, 0, num_classes - 1), "int32")
     return ops.one_hot(indices, num_classes, dtype="float32"), code
 
@@ -271,12 +264,7 @@ def finite_rows(inputs):
     `None` for inputs without a float tensor.
     """
     checks = [
-        # `|x| < inf` rather than `isfinite`: it converts to every export
-        # format's runtime.
-        ops.all(
-            ops.less(ops.abs(ops.reshape(t, (ops.shape(t)[0], -1))), float("inf")),
-            axis=1,
-        )
+        finite_row_mask(t, ops)
         for t in keras.tree.flatten(inputs)
         if is_float(t.dtype) and len(t.shape) > 0
     ]

@@ -152,6 +152,18 @@ def is_float(dtype: Any) -> bool:
     return keras.backend.is_float_dtype(keras.backend.standardize_dtype(dtype))
 
 
+def finite_row_mask(array: Any, xp: Any) -> Any:
+    """`(batch,)` bool: whether each row (first axis) of a float `array` is finite.
+
+    The one rule of a finite input example: `xp` is `numpy` for in-memory
+    data, checked before a call, or `keras.ops` inside the model and its
+    exports. `|x| < inf` rather than `isfinite`: it converts to every export
+    format's runtime.
+    """
+    rows = xp.reshape(array, (xp.shape(array)[0], -1))
+    return xp.all(xp.less(xp.abs(rows), float("inf")), axis=1)
+
+
 def non_finite_rows(array: np.ndarray) -> np.ndarray:
     """The indices of the rows (first axis) of `array` holding NaN or Inf.
 
@@ -164,5 +176,6 @@ def non_finite_rows(array: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore", invalid="ignore"):
         if np.isfinite(np.sum(array)):
             return np.zeros((0,), np.int64)
-    rows = array.reshape(array.shape[0], -1) if array.ndim else array.reshape(1, 1)
-    return np.flatnonzero(~np.isfinite(rows).all(axis=1))
+        return np.flatnonzero(
+            ~finite_row_mask(array.reshape(array.shape[0] if array.ndim else 1, -1), np)
+        )
