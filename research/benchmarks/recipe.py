@@ -63,7 +63,11 @@ Problems:
   `madhubandru/Text-Classification-on-News-Articles-using-BERT-Framework`
   at commit 082f2db, in `$AG_NEWS_CSV`), split 70 / 30 into training and
   test sets by seed; the OoD set is Banking77's 3,080 test queries
-  (`$BANKING77_DIR`). CLINC150's backbone, optimizer and budget.
+  (`$BANKING77_DIR`). CLINC150's backbone, optimizer and budget. The
+  articles fill the 32 tokens (30.6 on average), the queries 10.8: the
+  number of padding tokens alone ranks them at AUROC 0.98.
+- `ag_news_titles`: `ag_news` with each article's title only (9 tokens on
+  average), so that length no longer tells the OoD queries apart.
 - `two_moons`: the paper's problem-specific arguments (3x20 MLP,
   `centroid_dims=10`, `length_scale=0.3`, `momentum=0.99`, penalty 1.0, `W ~
   N(0, 1)`, SGD 0.01 momentum 0.9, 30 epochs, batch 64) and the library's
@@ -94,6 +98,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import json
 import os
 import platform
@@ -223,7 +228,7 @@ def banking77_held_out(seed):
     )
 
 
-def ag_news(seed):
+def ag_news(seed, parts=("title", "description")):
     """AG News's 7,600 test articles (4 topics), split 70 / 30 by seed; OoD:
     Banking77's test queries (short, in-scope for no topic)."""
     import csv
@@ -232,7 +237,7 @@ def ag_news(seed):
     banking = _data_path("BANKING77_DIR", "the folder holding Banking77's CSV files")
     with open(path, newline="") as f:
         rows = [
-            (r["title"] + " " + r["description"], int(r["label"]) - 1)
+            (" ".join(r[part] for part in parts), int(r["label"]) - 1)
             for r in csv.DictReader(f)
         ]
     texts = np.array([text for text, _ in rows])
@@ -478,6 +483,7 @@ PROBLEMS = {
     "hwu64_held_out": hwu64_held_out,
     "banking77_held_out": banking77_held_out,
     "ag_news": ag_news,
+    "ag_news_titles": functools.partial(ag_news, parts=("title",)),
     "two_moons": two_moons,
     "cifar10": cifar10,
     "tiny_imagenet": tiny_imagenet,
