@@ -62,6 +62,7 @@ from keras_duq._health import FeatureDropoutWarning
 from keras_duq._health import InputScaleWarning
 from keras_duq._health import KernelUnderflowWarning
 from keras_duq._health import LowCertaintyWarning
+from keras_duq._health import PaddingWarning
 from keras_duq._spectral_normalization import SpectralNormalization
 from keras_duq._spectral_normalization import spectral_normalize
 from keras_duq._wrap import PAPER_SETTINGS
@@ -81,6 +82,7 @@ __all__ = [
     "InputScaleWarning",
     "KernelUnderflowWarning",
     "LowCertaintyWarning",
+    "PaddingWarning",
     "PAPER_SETTINGS",
     "SpectralNormalization",
     "recompute_batch_norm_statistics",

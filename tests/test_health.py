@@ -799,3 +799,55 @@ def test_standardised_inputs_or_a_normalising_backbone_do_not_warn_about_scale()
         with _Recorder() as record:
             _fit(model, inputs, y, batch_size=16)
         assert not record.of(keras_duq.InputScaleWarning)
+
+
+# ----------------------------------------------------------------- padding
+
+
+def _token_model(mask_zero=False, **kwargs):
+    keras.utils.set_random_seed(0)
+    backbone = keras.Sequential(
+        [
+            keras.Input((12,), dtype="int32"),
+            keras.layers.Embedding(30, 8, mask_zero=mask_zero, name="words"),
+            keras.layers.GlobalAveragePooling1D(name="average"),
+            keras.layers.Dense(16, activation="relu"),
+        ]
+    )
+    model = keras_duq.wrap(backbone, num_classes=3, penalty_input="words", **kwargs)
+    model.compile(optimizer="adam")
+    return model
+
+
+def _token_data(lengths=(3, 12), n=32):
+    """Token ids 1-29 in the first `length` positions of each row, padding (0) after."""
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, 30, size=(n, 12)).astype("int32")
+    length = rng.integers(lengths[0], lengths[1] + 1, size=n)
+    ids[np.arange(12) >= length[:, None]] = 0
+    return ids, np.arange(n) % 3
+
+
+def test_averaging_over_padding_warns_once_at_the_start_of_fit():
+    model = _token_model()
+    x, y = _token_data()
+    with _Recorder() as record:
+        _fit(model, x, y, batch_size=16)
+        _fit(model, x, y, batch_size=16)
+    messages = record.of(keras_duq.PaddingWarning)
+    assert len(messages) == 1
+    assert "`words`" in messages[0] and "`average`" in messages[0]
+    assert "mask_zero=True" in messages[0]
+
+
+def test_masked_or_unpadded_tokens_or_health_checks_off_do_not_warn_about_padding():
+    padded, y = _token_data()
+    unpadded, _ = _token_data(lengths=(12, 12))
+    for model, x in (
+        (_token_model(mask_zero=True), padded),
+        (_token_model(), unpadded),
+        (_token_model(health_checks=False), padded),
+    ):
+        with _Recorder() as record:
+            _fit(model, x, y, batch_size=16)
+        assert not record.of(keras_duq.PaddingWarning)

@@ -5,10 +5,11 @@ values that underflow for (nearly) every example, BatchNormalization moving
 statistics that have not settled (inference-mode features far from those
 that re-estimated statistics give), centroids that never received their
 class or that sit on another class's centroid, and a gradient penalty that
-is constant because the input gradients are zero. Two more are seen at the
-start of `fit`, before any step: inputs far from standardised, and features
-that come out of a dropout layer. Each warns once per model with a subclass
-of `DUQHealthWarning`, naming the numbers and the fix.
+is constant because the input gradients are zero. Three more are seen at
+the start of `fit`, before any step: inputs far from standardised, features
+that come out of a dropout layer, and features averaged over padding. Each
+warns once per model with a subclass of `DUQHealthWarning`, naming the
+numbers and the fix.
 
 The numbers are measured cheaply: per batch inside the training and test
 steps, from tensors the step already has (logged as `certainty`, `underflow`
@@ -36,6 +37,7 @@ from keras_duq._health.warning_types import FeatureDropoutWarning
 from keras_duq._health.warning_types import InputScaleWarning
 from keras_duq._health.warning_types import KernelUnderflowWarning
 from keras_duq._health.warning_types import LowCertaintyWarning
+from keras_duq._health.warning_types import PaddingWarning
 
 __all__ = [
     "BatchNormStatisticsWarning",
@@ -48,6 +50,7 @@ __all__ = [
     "KernelUnderflowWarning",
     "LowCertaintyWarning",
     "ModeComparison",
+    "PaddingWarning",
     "batch_trackers",
     "check_final_state",
     "check_predictions",

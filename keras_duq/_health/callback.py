@@ -119,6 +119,7 @@ class HealthCheck(keras.callbacks.Callback):
         checks.check_feature_noise(model)
         if self.inputs is not None:
             checks.check_input_scale(model, self.inputs)
+            checks.check_padding(model, self.inputs)
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._epoch_warmed_up = checks.warmed_up(self._checked_model())

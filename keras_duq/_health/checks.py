@@ -27,6 +27,7 @@ from keras_duq._health.warning_types import FeatureDropoutWarning
 from keras_duq._health.warning_types import InputScaleWarning
 from keras_duq._health.warning_types import KernelUnderflowWarning
 from keras_duq._health.warning_types import LowCertaintyWarning
+from keras_duq._health.warning_types import PaddingWarning
 from keras_duq._validation import is_float
 from keras_duq._values import optimizer_steps
 from keras_duq._values import to_float64
@@ -441,6 +442,52 @@ def check_input_scale(model, inputs):
             "FashionMNIST-like images), or make a `keras.layers.Normalization()` "
             "adapted on the training inputs the backbone's first layer.",
         )
+
+
+def check_padding(model, inputs):
+    """Warns when the backbone averages over padding that the inputs hold.
+
+    An `Embedding` without `mask_zero` and an averaging layer in the
+    backbone, and integer inputs whose rows hold the padding id in varying
+    amounts.
+    """
+    layers = _compat.all_layers(model.feature_extractor)
+    embeddings = [
+        layer
+        for layer in layers
+        if isinstance(layer, keras.layers.Embedding) and not layer.mask_zero
+    ]
+    pooling = [layer for layer in layers if isinstance(layer, rules.AVERAGING_LAYERS)]
+    if not embeddings or not pooling:
+        return
+    declared = keras.tree.flatten(model.feature_extractor.inputs)
+    arrays = keras.tree.flatten(inputs)
+    if len(declared) != len(arrays):
+        return
+    for tensor, array in zip(declared, arrays):
+        array = np.asarray(array)
+        if is_float(tensor.dtype) or array.ndim != 2 or array.dtype.kind not in "iu":
+            continue
+        padding = np.sum(array == rules.PADDING_ID, axis=1)
+        if padding.min() == padding.max():
+            continue
+        warn_once(
+            model,
+            "padding",
+            PaddingWarning,
+            f"the backbone averages over padding: `Embedding` layer "
+            f"`{embeddings[0].name}` has `mask_zero=False` and "
+            f"`{pooling[0].name}` averages its positions, while the training "
+            f"inputs hold the padding id {rules.PADDING_ID} in {padding.min()} to "
+            f"{padding.max()} of their {array.shape[1]} positions (a sample of "
+            f"{array.shape[0]}). The features then encode each input's length: "
+            "short inputs, in or out of distribution, share the padding "
+            "embedding's direction, and their certainty depends on where "
+            "training happens to put it. Pass `mask_zero=True` to the "
+            "`Embedding` so that the average leaves the padding out (if "
+            f"{rules.PADDING_ID} is a real token, shift the ids by one).",
+        )
+        return
 
 
 def feature_noise_layer(layer):

@@ -85,3 +85,10 @@ RESHAPING_LAYERS = (keras.layers.Flatten, keras.layers.Reshape, keras.layers.Per
 # coordinates, on which the paper's demo works, about 0.75).
 INPUT_MEAN_TOLERANCE = 1.0
 INPUT_SCALE_RANGE = (0.5, 2.0)
+# Layers that average over the positions of a sequence. After an `Embedding`
+# without `mask_zero`, they average the padding in: the features then encode
+# each input's length (how much of it is padding).
+AVERAGING_LAYERS = (keras.layers.GlobalAveragePooling1D, keras.layers.AveragePooling1D)
+# The token id Keras pads with (`TextVectorization`, `pad_sequences`, and the
+# id `Embedding(mask_zero=True)` masks).
+PADDING_ID = 0

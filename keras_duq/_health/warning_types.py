@@ -44,5 +44,9 @@ class FeatureDropoutWarning(DUQHealthWarning):
     """The backbone's features come straight out of a dropout (or noise) layer."""
 
 
+class PaddingWarning(DUQHealthWarning):
+    """The backbone averages over padding, so its features encode each input's length."""
+
+
 class LowCertaintyWarning(DUQHealthWarning):
     """In-distribution certainty far below any threshold one would choose by hand."""
