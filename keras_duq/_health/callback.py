@@ -45,7 +45,12 @@ class HealthCheck(keras.callbacks.Callback):
       `fit`, or two overlapping centroids (the kernel value of one class at
       the other's centroid above 0.5);
     - `ConstantPenaltyWarning`: the input gradient is ~0 for at least 90% of
-      the training examples (two-sided penalty), so the penalty is constant.
+      the training examples (two-sided penalty), so the penalty is constant;
+    - `LowCertaintyWarning`: the mean in-distribution certainty in inference
+      mode below 0.1 without underflowing;
+    - at the start of `fit`: `InputScaleWarning` (floating-point inputs far
+      from standardised), `FeatureDropoutWarning` (features straight out of
+      a dropout layer) and `PaddingWarning` (an average over padding).
 
     When: a freshly initialised DUQ model's kernel values underflow until
     its embeddings reach the centroids, the centroids start random, and
