@@ -136,6 +136,7 @@ def test_public_names_have_one_home_and_a_missing_one_names_the_submodules():
         "DUQHealthWarning",
         "KernelUnderflowWarning",
         "LowCertaintyWarning",
+        "PaddingWarning",
         "BatchNormStatisticsWarning",
         "CentroidWarning",
         "ConstantPenaltyWarning",
