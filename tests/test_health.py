@@ -83,6 +83,14 @@ def _fit(model, x, y, epochs=1, batch_size=4, **kwargs):
     return model.fit(x, y, epochs=epochs, batch_size=batch_size, verbose=0, **kwargs)
 
 
+def _over_two_fits(model, x, y, category):
+    """The messages of `category` over two `fit` calls: a cause warns once per model."""
+    with _Recorder() as record:
+        _fit(model, x, y, batch_size=16)
+        _fit(model, x, y, batch_size=16)
+    return record.of(category)
+
+
 # ------------------------------------------------------------ logged numbers
 
 
@@ -778,12 +786,8 @@ def test_noise_before_the_last_dense_layer_or_health_checks_off_do_not_warn():
 
 @pytest.mark.parametrize("scale, shift", [(1.0, 3.0), (6.0, 0.0), (0.05, 0.0)])
 def test_inputs_far_from_standardised_warn_once_at_the_start_of_fit(scale, shift):
-    model = _model()
     x, y = _data(n=32, scale=scale, shift=shift)
-    with _Recorder() as record:
-        _fit(model, x, y, batch_size=16)
-        _fit(model, x, y, batch_size=16)
-    messages = record.of(keras_duq.InputScaleWarning)
+    messages = _over_two_fits(_model(), x, y, keras_duq.InputScaleWarning)
     assert len(messages) == 1
     assert "not standardised" in messages[0] and "Normalization" in messages[0]
 
@@ -829,12 +833,8 @@ def _token_data(lengths=(3, 12), n=32):
 
 
 def test_averaging_over_padding_warns_once_at_the_start_of_fit():
-    model = _token_model()
     x, y = _token_data()
-    with _Recorder() as record:
-        _fit(model, x, y, batch_size=16)
-        _fit(model, x, y, batch_size=16)
-    messages = record.of(keras_duq.PaddingWarning)
+    messages = _over_two_fits(_token_model(), x, y, keras_duq.PaddingWarning)
     assert len(messages) == 1
     assert "`words`" in messages[0] and "`average`" in messages[0]
     assert "mask_zero=True" in messages[0]

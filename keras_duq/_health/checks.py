@@ -403,6 +403,13 @@ def check_predictions(model: DUQModel, kernel_values: Any) -> None:
         check_underflow(model, fraction, "inference", "`predict`")
 
 
+def _declared_inputs(model, inputs):
+    """`[(declared input tensor, sample array)]` of the backbone's inputs, or `[]`."""
+    declared = keras.tree.flatten(model.feature_extractor.inputs)
+    arrays = keras.tree.flatten(inputs)
+    return list(zip(declared, arrays)) if len(declared) == len(arrays) else []
+
+
 def check_input_scale(model, inputs):
     """Warns when floating-point training inputs are far from standardised.
 
@@ -413,11 +420,7 @@ def check_input_scale(model, inputs):
         for layer in _compat.all_layers(model.feature_extractor)
     ):
         return
-    declared = keras.tree.flatten(model.feature_extractor.inputs)
-    arrays = keras.tree.flatten(inputs)
-    if len(declared) != len(arrays):
-        return
-    for tensor, array in zip(declared, arrays):
+    for tensor, array in _declared_inputs(model, inputs):
         if not is_float(tensor.dtype):
             continue
         values = np.asarray(array, dtype=np.float64)
@@ -460,11 +463,7 @@ def check_padding(model, inputs):
     pooling = [layer for layer in layers if isinstance(layer, rules.AVERAGING_LAYERS)]
     if not embeddings or not pooling:
         return
-    declared = keras.tree.flatten(model.feature_extractor.inputs)
-    arrays = keras.tree.flatten(inputs)
-    if len(declared) != len(arrays):
-        return
-    for tensor, array in zip(declared, arrays):
+    for tensor, array in _declared_inputs(model, inputs):
         array = np.asarray(array)
         if is_float(tensor.dtype) or array.ndim != 2 or array.dtype.kind not in "iu":
             continue
