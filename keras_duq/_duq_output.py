@@ -233,14 +233,7 @@ class DUQOutput(keras.layers.Layer):
         self.input_spec = keras.layers.InputSpec(ndim=2)
 
     def build(self, input_shape: tuple) -> None:
-        if len(input_shape) != 2 or input_shape[-1] is None:
-            raise ValueError(
-                "DUQOutput expects features of shape (batch_size, features) "
-                "with a known number of features. Add "
-                "`keras.layers.GlobalAveragePooling2D()` (images) or "
-                "`keras.layers.Flatten()` at the end of the backbone. "
-                f"Received: input shape {tuple(input_shape)}"
-            )
+        check_feature_shape(input_shape)
         features = input_shape[-1]
         dims = self.centroid_dims or min(features, MAX_DEFAULT_CENTROID_DIMS)
         self._resolved_centroid_dims = dims
@@ -435,6 +428,18 @@ def resolve_head(head: str, features: int, centroid_dims: int, num_classes: int)
         return head
     values = features * centroid_dims * num_classes
     return "per_class" if values <= MAX_PER_CLASS_HEAD_VALUES else "shared"
+
+
+def check_feature_shape(shape: Any) -> None:
+    """Raises the error for features that are not `(batch, features)` with known `features`."""
+    if len(shape) != 2 or shape[-1] is None:
+        raise ValueError(
+            "DUQ's head takes features of shape (batch, features) with a known "
+            "number of features. Add `keras.layers.GlobalAveragePooling2D()` "
+            "(images) or `keras.layers.Flatten()` as the backbone's last layer, "
+            "or for `keras.applications` pass `include_top=False, "
+            f"pooling='avg'`. Received: features of shape {tuple(shape)}"
+        )
 
 
 def find_duq_output(inputs, outputs):

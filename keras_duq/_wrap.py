@@ -12,6 +12,7 @@ import keras
 from keras_duq._duq_model import DUQModel
 from keras_duq._duq_output import PAPER_PROJECTION_LEARNING_RATE
 from keras_duq._duq_output import DUQOutput
+from keras_duq._duq_output import check_feature_shape
 
 # The paper's method where the library's defaults differ from it: the loss
 # without the categorical term, `W` learning at the optimizer's rate, and
@@ -105,14 +106,8 @@ def wrap(
             "that ends at the feature layer. Received: outputs "
             f"{keras.tree.map_structure(lambda t: tuple(t.shape), features)}"
         )
-    if len(features.shape) != 2:
-        raise ValueError(
-            "The backbone must return features of shape (batch, features). "
-            f"Received: output shape {tuple(features.shape)}. Add "
-            "`keras.layers.GlobalAveragePooling2D()` (for images) or "
-            "`keras.layers.Flatten()` as the backbone's last layer, or for "
-            "`keras.applications` pass `include_top=False, pooling='avg'`."
-        )
+    # Before the layer's own input check, whose message has no fix.
+    check_feature_shape(features.shape)
     outputs = DUQOutput(num_classes, name="duq_output", **layer_kwargs)(features)
     return DUQModel(inputs, outputs, name=name, **model_kwargs)
 
