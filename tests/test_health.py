@@ -851,3 +851,27 @@ def test_masked_or_unpadded_tokens_or_health_checks_off_do_not_warn_about_paddin
         with _Recorder() as record:
             _fit(model, x, y, batch_size=16)
         assert not record.of(keras_duq.PaddingWarning)
+
+
+@pytest.mark.requires_backend("tensorflow")  # string inputs
+def test_averaging_over_padding_of_an_own_text_vectorization_warns():
+    # An object array: Keras's array adapter takes no NumPy `str_` arrays.
+    texts = np.array(
+        ["a b c d e f g h", "a b", "c d e", "f g h a b c", "d"] * 8, object
+    )
+    vectorize = keras.layers.TextVectorization(output_sequence_length=10)
+    vectorize.adapt(texts)
+    keras.utils.set_random_seed(0)
+    backbone = keras.Sequential(
+        [
+            keras.Input((), dtype="string"),
+            vectorize,
+            keras.layers.Embedding(20, 8, name="words"),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(16, activation="relu"),
+        ]
+    )
+    model = keras_duq.wrap(backbone, num_classes=3, penalty_input="words")
+    model.compile(optimizer="adam")
+    messages = _over_two_fits(model, texts, np.arange(40) % 3, keras_duq.PaddingWarning)
+    assert len(messages) == 1 and "mask_zero=True" in messages[0]

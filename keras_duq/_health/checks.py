@@ -451,7 +451,8 @@ def check_padding(model, inputs):
     """Warns when the backbone averages over padding that the inputs hold.
 
     An `Embedding` without `mask_zero` and an averaging layer in the
-    backbone, and integer inputs whose rows hold the padding id in varying
+    backbone, and token ids (integer inputs, or strings through the
+    backbone's `TextVectorization`) whose rows hold the padding id in varying
     amounts.
     """
     layers = _compat.all_layers(model.feature_extractor)
@@ -464,8 +465,8 @@ def check_padding(model, inputs):
     if not embeddings or not pooling:
         return
     for tensor, array in _declared_inputs(model, inputs):
-        array = np.asarray(array)
-        if is_float(tensor.dtype) or array.ndim != 2 or array.dtype.kind not in "iu":
+        array = _token_ids(layers, tensor, np.asarray(array))
+        if array is None or array.ndim != 2:
             continue
         padding = np.sum(array == rules.PADDING_ID, axis=1)
         if padding.min() == padding.max():
@@ -487,6 +488,21 @@ def check_padding(model, inputs):
             f"{rules.PADDING_ID} is a real token, shift the ids by one).",
         )
         return
+
+
+def _token_ids(layers, tensor, array):
+    """The token ids of a sample input: integer inputs as they are, strings
+    through the backbone's `TextVectorization`; `None` for other inputs."""
+    if array.dtype.kind in "iu" and not is_float(tensor.dtype):
+        return array
+    if array.dtype.kind in "USO":
+        for layer in layers:
+            if (
+                isinstance(layer, keras.layers.TextVectorization)
+                and layer.get_config()["output_mode"] == "int"
+            ):
+                return np.asarray(ops.convert_to_numpy(layer(array)))
+    return None
 
 
 def feature_noise_layer(layer):
