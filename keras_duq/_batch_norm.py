@@ -5,13 +5,15 @@ moving statistics behind the weights, and inference mode then computes
 features that training never saw. `recompute_batch_norm_statistics` sets
 them to the average of the layers' batch statistics over some training
 inputs (as SWA's `bn_update` does); `RecomputeBatchNormStatistics` does so
-after every epoch of `fit`. Neither needs a DUQ model.
+after every epoch of `fit`. Neither needs a DUQ model. Public as
+`keras_duq.recompute_batch_norm_statistics` and
+`keras_duq.callbacks.RecomputeBatchNormStatistics`.
 
 Example:
 
 ```python
 model.fit(x_train, y_train, epochs=3)
-keras_duq._batch_norm.recompute_batch_norm_statistics(model, x_train[:5000])
+keras_duq.recompute_batch_norm_statistics(model, x_train[:5000])
 ```
 """
 

@@ -176,6 +176,5 @@ def non_finite_rows(array: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore", invalid="ignore"):
         if np.isfinite(np.sum(array)):
             return np.zeros((0,), np.int64)
-        return np.flatnonzero(
-            ~finite_row_mask(array.reshape(array.shape[0] if array.ndim else 1, -1), np)
-        )
+        rows = array if array.ndim else array.reshape(1)
+        return np.flatnonzero(~finite_row_mask(rows, np))

@@ -19,7 +19,6 @@ from keras_duq._health import checks
 from keras_duq._health import rules
 from keras_duq._health.state import state_of
 from keras_duq._validation import check_positive_int
-from keras_duq._values import optimizer_steps
 
 if TYPE_CHECKING:
     from keras_duq._duq_model import DUQModel
@@ -163,7 +162,7 @@ class HealthCheck(keras.callbacks.Callback):
             # centroids' state: both are checked before the warm-up too.
             if self.inputs is not None and (
                 batch_norm_layers(model.feature_extractor)
-                or (optimizer_steps(model) or 0) >= rules.WARMUP_STEPS
+                or checks.past_first_steps(model)
             ):
                 comparison = checks.ModeComparison(model, self.inputs, self.batch_size)
                 checks.check_batch_norm(model, comparison, "end of `fit`")

@@ -222,12 +222,17 @@ def record_centroid_start(model):
         )
 
 
+def past_first_steps(model):
+    """Whether `model` has trained `rules.WARMUP_STEPS` optimizer steps."""
+    return (optimizer_steps(model) or 0) >= rules.WARMUP_STEPS
+
+
 def warmed_up(model):
-    """Whether `model` is past DUQ's start-up (see `rules.WARMUP_STEPS`)."""
-    iterations = optimizer_steps(model)
-    if iterations is None or iterations < rules.WARMUP_STEPS:
-        return False
-    return bool(centroid_random_share(model) <= 1.0 - rules.WARMUP_DATA_SHARE)
+    """Whether `model` is past DUQ's start-up: its first steps, and centroids
+    that owe at least `rules.WARMUP_DATA_SHARE` to data."""
+    return past_first_steps(model) and bool(
+        centroid_random_share(model) <= 1.0 - rules.WARMUP_DATA_SHARE
+    )
 
 
 def check_unseen_classes(model):
@@ -304,7 +309,7 @@ def check_short_run(model, logs):
         f"{rules.NEGLIGIBLE_CERTAINTY:g}) and a constant gradient penalty: the "
         "model's certainty means nothing yet, and its "
         "predictions can stay at one class. The centroids still owe "
-        f"{min(centroid_random_share(model), 1.0):.0%} of their value to their random start "
+        f"{centroid_random_share(model):.0%} of their value to their random start "
         f"(`momentum={layer.momentum:g}`). For a short run, pass "
         "`bias_correction=True` (centroids from the class means of the first "
         "batches) or a lower `momentum` (e.g. 0.9), or train longer.",
@@ -336,10 +341,10 @@ def check_low_certainty(model, comparison, where):
     if (
         not certainty < rules.LOW_CERTAINTY
         or comparison.underflow_inference >= rules.MOST_EXAMPLES
-        or (optimizer_steps(model) or 0) < rules.WARMUP_STEPS
+        or not past_first_steps(model)
     ):
         return
-    share = min(centroid_random_share(model), 1.0)
+    share = centroid_random_share(model)
     start = (
         f" The centroids still owe {share:.0%} of their value to their random "
         "start: training longer moves them to the data."
@@ -367,9 +372,10 @@ def check_low_certainty(model, comparison, where):
 def centroid_random_share(model):
     """What is left of the centroids' initial count, relative to their count now.
 
-    The share of the moving averages still owed to their random start (above
-    1 while the counts have shrunk below the initial one). The mean over
-    classes, so that a class never seen does not hold the checks back.
+    The share of the moving averages still owed to their random start, at
+    most 1 (counts that no longer follow from `optimizer.iterations`, e.g.
+    after `set_weights`, could give more). The mean over classes, so that a
+    class never seen does not hold the checks back.
     """
     layer = model.duq_output
     prior = (
@@ -378,7 +384,7 @@ def centroid_random_share(model):
         else _ops.INITIAL_CENTROID_COUNT
     )
     initial = prior * layer.momentum ** (optimizer_steps(model) or 0)
-    return initial / max(to_float64(layer.centroid_counts).mean(), 1e-12)
+    return min(initial / max(to_float64(layer.centroid_counts).mean(), 1e-12), 1.0)
 
 
 def check_predictions(model: DUQModel, kernel_values: Any) -> None:

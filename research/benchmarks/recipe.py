@@ -503,15 +503,10 @@ class EpochLog(keras.callbacks.Callback):
         self.epochs.append({k: round(float(v), 4) for k, v in (logs or {}).items()})
 
 
-def run(problem, seed, method, overrides, epochs=None, clipnorm=None):
-    keras.backend.clear_session()
-    keras.utils.set_random_seed(seed)
-    spec = PROBLEMS[problem](seed)
-    if epochs is not None:
-        spec["epochs"] = epochs
-    x, y = spec["train"]
-    x_test, y_test = spec["test"]
-    keras.utils.set_random_seed(seed)
+def build(spec, method, overrides=None, clipnorm=None):
+    """A problem's compiled model: `keras_duq.wrap`'s defaults with the
+    problem's arguments and `overrides` (`method="duq"`), or a softmax
+    `Dense` head on the same backbone (`"softmax"`)."""
     backbone = spec["backbone"]()
     optimizer = spec["optimizer"](method)
     if clipnorm is not None:
@@ -526,13 +521,26 @@ def run(problem, seed, method, overrides, epochs=None, clipnorm=None):
             loss="sparse_categorical_crossentropy",
             metrics=["accuracy"],
         )
-    else:
-        model = keras_duq.wrap(
-            backbone,
-            num_classes=spec["num_classes"],
-            **{**spec["wrap"], **overrides},
-        )
-        model.compile(optimizer=optimizer)
+        return model
+    model = keras_duq.wrap(
+        backbone,
+        num_classes=spec["num_classes"],
+        **{**spec["wrap"], **(overrides or {})},
+    )
+    model.compile(optimizer=optimizer)
+    return model
+
+
+def run(problem, seed, method, overrides, epochs=None, clipnorm=None):
+    keras.backend.clear_session()
+    keras.utils.set_random_seed(seed)
+    spec = PROBLEMS[problem](seed)
+    if epochs is not None:
+        spec["epochs"] = epochs
+    x, y = spec["train"]
+    x_test, y_test = spec["test"]
+    keras.utils.set_random_seed(seed)
+    model = build(spec, method, overrides, clipnorm)
     base = {
         "problem": problem,
         "method": method,

@@ -19,7 +19,6 @@ import json
 import keras
 import numpy as np
 
-import keras_duq
 from keras_duq import evaluation
 from research.benchmarks import recipe
 
@@ -43,23 +42,7 @@ def run(problem, seed):
     for method in ("duq", "softmax"):
         keras.backend.clear_session()
         keras.utils.set_random_seed(seed)
-        backbone = spec["backbone"]()
-        if method == "duq":
-            model = keras_duq.wrap(
-                backbone, num_classes=spec["num_classes"], **spec["wrap"]
-            )
-            model.compile(optimizer=spec["optimizer"](method))
-        else:
-            model = keras.Sequential(
-                [
-                    backbone,
-                    keras.layers.Dense(spec["num_classes"], activation="softmax"),
-                ]
-            )
-            model.compile(
-                optimizer=spec["optimizer"](method),
-                loss="sparse_categorical_crossentropy",
-            )
+        model = recipe.build(spec, method)
         model.fit(x, y, batch_size=spec["batch_size"], epochs=spec["epochs"], verbose=0)
         scores_test = model.predict(x_test, batch_size=1000, verbose=0)
         scores_ood = model.predict(x_ood, batch_size=1000, verbose=0)
