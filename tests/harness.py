@@ -61,13 +61,17 @@ def data(n=96, classes=3, seed=0):
     return x, y
 
 
-def tabular_data(n=64, features=4, classes=3, seed=0, scale=1.0, shift=0.0):
+def tabular_data(
+    n=64, features=4, classes=3, seed=0, scale=1.0, shift=0.0, balanced=False
+):
     """`(x, y)`: standard normal features (times `scale`, plus `shift`) and
-    random labels."""
+    random labels, or with `balanced` the labels `0, 1, ..., classes - 1` in turn."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
     x = (shift + scale * rng.normal(size=(n, features))).astype("float32")
+    if balanced:
+        return x, np.arange(n) % classes
     return x, rng.integers(0, classes, size=n)
 
 
@@ -129,7 +133,7 @@ def script_path(script):
 def script_env(backend, extra_env=None):
     """The environment a script runs in: `backend`, and `tests/`, `tests/scripts/`
     and the repository root importable (for `harness`, the scripts'
-    helper modules and `reproduction`)."""
+    helper modules and `keras_duq` from this checkout)."""
     env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
     path = [TESTS_DIR, SCRIPTS_DIR, ROOT] + (
         [env["PYTHONPATH"]] if "PYTHONPATH" in env else []

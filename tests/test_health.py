@@ -6,6 +6,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from harness import tabular_data
 
 import keras_duq
 from keras_duq import _health
@@ -15,11 +16,9 @@ from keras_duq.callbacks import HealthCheck
 STEPS = _health.rules.WARMUP_STEPS
 
 
-def _data(n=400, features=4, classes=3, seed=0, scale=1.0, shift=0.0):
-    rng = np.random.default_rng(seed)
-    x = (shift + scale * rng.normal(size=(n, features))).astype("float32")
-    y = np.arange(n) % classes
-    return x, y
+def _data(n=400, **kwargs):
+    # Every class equally often, so that per-class checks see each class.
+    return tabular_data(n, balanced=True, **kwargs)
 
 
 def _model(
