@@ -4,8 +4,8 @@ scripts of `tests/scripts/` run in a subprocess under a chosen Keras backend.
 A process has one backend, and some settings (logical devices, TF_CONFIG,
 XLA flags) must be made before the backend starts. Each script is a file
 that prints its results as JSON on its last line; `run` returns them.
-The builders here (`make_model`, `data`, `tabular_data`, `state`) serve the
-test modules and the scripts alike.
+The builders here (`make_model`, `dense_model`, `data`, `tabular_data`,
+`state`) serve the test modules and the scripts alike.
 """
 
 import json
@@ -51,6 +51,49 @@ def make_model(
     return model
 
 
+def dense_model(
+    layers,
+    classes=3,
+    features=4,
+    inputs=None,
+    seed=0,
+    length_scale=0.5,
+    momentum=0.9,
+    head="auto",
+    **model_kwargs,
+):
+    """A small DUQ model on tabular data, uncompiled.
+
+    `inputs` (`keras.Input((features,))` by default; a dict or list of
+    inputs is concatenated), then the layers that `layers()` returns (made
+    after the random seed is set, so that their weights are the same each
+    time), then a `DUQOutput` with 6 centroid dimensions; `model_kwargs` go
+    to `DUQModel`.
+    """
+    import keras
+
+    import keras_duq
+
+    keras.utils.set_random_seed(seed)
+    if inputs is None:
+        inputs = keras.Input((features,))
+    x = inputs
+    if not isinstance(inputs, keras.KerasTensor):
+        x = keras.layers.Concatenate()(
+            list(inputs.values() if isinstance(inputs, dict) else inputs)
+        )
+    for layer in layers():
+        x = layer(x)
+    outputs = keras_duq.DUQOutput(
+        classes,
+        centroid_dims=6,
+        length_scale=length_scale,
+        momentum=momentum,
+        head=head,
+    )(x)
+    return keras_duq.DUQModel(inputs, outputs, **model_kwargs)
+
+
 def data(n=96, classes=3, seed=0):
     """Random images and labels that depend on them."""
     import numpy as np
@@ -73,6 +116,19 @@ def tabular_data(
     if balanced:
         return x, np.arange(n) % classes
     return x, rng.integers(0, classes, size=n)
+
+
+def token_ids(n=32, length=12, vocabulary=30, lengths=(2, 12), seed=0):
+    """`(n, length)` int32 token ids from `1..vocabulary - 1` in the first `k`
+    positions of each row, `k` drawn from `lengths` (both ends included), and
+    the padding id 0 after."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(1, vocabulary, size=(n, length))
+    kept = rng.integers(lengths[0], lengths[1] + 1, size=n)
+    ids[np.arange(length)[None, :] >= kept[:, None]] = 0
+    return ids.astype("int32")
 
 
 def state(model, optimizer=False):

@@ -21,22 +21,13 @@ REJECTED = (ValueError, tf.errors.InvalidArgumentError)
 _data = harness.tabular_data
 
 
-def _model(
-    classes=3, features=4, batch_norm=False, gradient_penalty=0.5, seed=0, **kwargs
-):
-    keras.utils.set_random_seed(seed)
-    inputs = keras.Input((features,))
-    x = keras.layers.Dense(8, activation="relu")(inputs)
-    if batch_norm:
-        x = keras.layers.BatchNormalization()(x)
-    x = keras.layers.Dense(8, activation="relu")(x)
-    outputs = keras_duq.DUQOutput(
-        num_classes=classes, centroid_dims=6, length_scale=0.5, momentum=0.9
-    )(x)
-    model = keras_duq.DUQModel(
-        inputs, outputs, gradient_penalty=gradient_penalty, **kwargs
-    )
-    return model
+def _model(batch_norm=False, gradient_penalty=0.5, **kwargs):
+    def layers():
+        norm = [keras.layers.BatchNormalization()] if batch_norm else []
+        dense = keras.layers.Dense
+        return [dense(8, activation="relu"), *norm, dense(8, activation="relu")]
+
+    return harness.dense_model(layers, gradient_penalty=gradient_penalty, **kwargs)
 
 
 def _compiled(lr=0.05, jit_compile="auto", **kwargs):

@@ -39,20 +39,16 @@ _data = harness.tabular_data
 
 def _model(inputs=None, head="auto"):
     """A small DUQ model with BatchNormalization; `inputs`: a single, dict or list input."""
-    keras.utils.set_random_seed(0)
-    if inputs is None:
-        inputs = keras.Input((4,))
-    x = inputs
-    if not isinstance(inputs, keras.KerasTensor):
-        x = keras.layers.Concatenate()(
-            list(inputs.values() if isinstance(inputs, dict) else inputs)
-        )
-    x = keras.layers.Dense(8, activation="relu")(x)
-    x = keras.layers.BatchNormalization()(x)
-    outputs = keras_duq.DUQOutput(
-        num_classes=3, centroid_dims=6, length_scale=0.5, head=head
-    )(x)
-    return keras_duq.DUQModel(inputs, outputs, gradient_penalty=0.0)
+
+    def layers():
+        return [
+            keras.layers.Dense(8, activation="relu"),
+            keras.layers.BatchNormalization(),
+        ]
+
+    return harness.dense_model(
+        layers, inputs=inputs, head=head, momentum=0.999, gradient_penalty=0.0
+    )
 
 
 def _trained_model():

@@ -2,6 +2,7 @@
 
 import warnings
 
+import harness
 import keras
 import numpy as np
 import pytest
@@ -21,24 +22,18 @@ def _data(n=400, **kwargs):
     return tabular_data(n, balanced=True, **kwargs)
 
 
-def _model(
-    classes=3, features=4, layers=(), length_scale=0.5, momentum=0.9, seed=0, **kwargs
-):
-    """Dense-ReLU-Dense, with `layers` (e.g. a BatchNormalization) after the input."""
-    keras.utils.set_random_seed(seed)
-    inputs = keras.Input((features,))
-    x = inputs
-    for layer in layers:
-        x = layer(x)
-    x = keras.layers.Dense(16, activation="relu")(x)
-    x = keras.layers.Dense(8)(x)
-    outputs = keras_duq.DUQOutput(
-        num_classes=classes,
-        centroid_dims=6,
-        length_scale=length_scale,
-        momentum=momentum,
-    )(x)
-    model = keras_duq.DUQModel(inputs, outputs, **kwargs)
+def _model(layers=(), **kwargs):
+    """Dense-ReLU-Dense, with `layers` (e.g. a BatchNormalization) after the
+    input, compiled with momentum SGD."""
+
+    def backbone():
+        return [
+            *layers,
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dense(8),
+        ]
+
+    model = harness.dense_model(backbone, **kwargs)
     model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9))
     return model
 
@@ -824,11 +819,7 @@ def _token_model(mask_zero=False, **kwargs):
 
 def _token_data(lengths=(3, 12), n=32):
     """Token ids 1-29 in the first `length` positions of each row, padding (0) after."""
-    rng = np.random.default_rng(0)
-    ids = rng.integers(1, 30, size=(n, 12)).astype("int32")
-    length = rng.integers(lengths[0], lengths[1] + 1, size=n)
-    ids[np.arange(12) >= length[:, None]] = 0
-    return ids, np.arange(n) % 3
+    return harness.token_ids(n, 12, 30, lengths=lengths), np.arange(n) % 3
 
 
 def test_averaging_over_padding_warns_once_at_the_start_of_fit():

@@ -6,6 +6,7 @@ computed by hand uses the backend's own automatic differentiation.
 
 import json
 
+import harness
 import keras
 import numpy as np
 import pytest
@@ -38,11 +39,8 @@ def _model(**kwargs):
 
 def _tokens(n=32, seed=0):
     """Token ids with padding (0) at the end, and labels from the first token."""
-    rng = np.random.default_rng(seed)
-    x = rng.integers(1, VOCABULARY, size=(n, LENGTH))
-    lengths = rng.integers(2, LENGTH + 1, size=n)
-    x[np.arange(LENGTH)[None, :] >= lengths[:, None]] = 0
-    return x.astype("int32"), (x[:, 0] > VOCABULARY // 2).astype("int32")
+    x = harness.token_ids(n, LENGTH, VOCABULARY, lengths=(2, LENGTH), seed=seed)
+    return x, (x[:, 0] > VOCABULARY // 2).astype("int32")
 
 
 def _gradient(function, z):
