@@ -5,7 +5,7 @@ A process has one backend, and some settings (logical devices, TF_CONFIG,
 XLA flags) must be made before the backend starts. Each script is a file
 that prints its results as JSON on its last line; `run` returns them.
 The builders here (`make_model`, `dense_model`, `data`, `tabular_data`,
-`state`) serve the test modules and the scripts alike.
+`token_ids`, `state`) serve the test modules and the scripts alike.
 """
 
 import json

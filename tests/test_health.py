@@ -7,7 +7,6 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from harness import tabular_data
 
 import keras_duq
 from keras_duq import _health
@@ -19,7 +18,7 @@ STEPS = _health.rules.WARMUP_STEPS
 
 def _data(n=400, **kwargs):
     # Every class equally often, so that per-class checks see each class.
-    return tabular_data(n, balanced=True, **kwargs)
+    return harness.tabular_data(n, balanced=True, **kwargs)
 
 
 def _model(layers=(), **kwargs):
