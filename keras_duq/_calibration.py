@@ -16,18 +16,28 @@ from keras_duq._evaluation_inputs import as_correct
 from keras_duq._evaluation_inputs import check_both_outcomes
 from keras_duq._typing import Tensor
 
+# `log K` is floored here before the calibrator's features are taken: kernel
+# values underflow to 0 far from every centroid, and a floor keeps the
+# features finite (exp(-80) is below float32's smallest normal number).
+LOG_KERNEL_FLOOR = -80.0
+
 
 @keras.saving.register_keras_serializable(package="keras_duq")
 class CertaintyCalibrator:
-    """Maps certainty to the probability that the prediction is right.
+    """Maps kernel values (or certainty) to the probability that the prediction is right.
 
     DUQ's certainty is a kernel value: it ranks examples well, but
-    `certainty == 0.8` does not mean "right 80% of the time". The calibrator
-    fits an isotonic regression (scikit-learn's `IsotonicRegression`,
-    increasing, values in `[0, 1]`) of `correct` on `certainty` over
-    validation data. The fitted map is kept as two float32 numpy arrays,
-    `thresholds` and `values`: piecewise linear between them, constant
-    outside. It works the same for softmax or ensemble confidences.
+    `certainty == 0.8` does not mean "right 80% of the time", and it says how
+    far an input is from the training data, not how close the call between
+    two classes was. Fitted on the kernel values `(num_examples,
+    num_classes)`, the calibrator uses both: a logistic regression of
+    `correct` on the distance (`log` of the largest kernel value) and the
+    ambiguity (its margin over the second largest, in `log` space), kept as
+    `weights` (two floats) and `bias`. Fitted on certainties
+    `(num_examples,)` (or softmax and ensemble confidences), it is an
+    isotonic regression (scikit-learn's `IsotonicRegression`, increasing,
+    values in `[0, 1]`), kept as two float32 arrays `thresholds` and
+    `values`: piecewise linear between them, constant outside.
 
     Calling the calibrator uses only `keras.ops`, so it runs on numpy arrays
     (returning numpy), and on backend tensors (returning a tensor), inside a
@@ -41,58 +51,94 @@ class CertaintyCalibrator:
     Example:
 
     ```python
-    val_scores = model.predict(x_val)
+    val_kernel_values = model.predict(x_val)
     calibrator = keras_duq.evaluation.CertaintyCalibrator().fit(
-        val_scores.max(axis=1), val_scores.argmax(axis=1) == y_val
+        val_kernel_values, val_kernel_values.argmax(axis=1) == y_val
     )
-    probability_correct = calibrator(model.predict(x_test).max(axis=1))
+    probability_correct = calibrator(model.predict(x_test))
     calibrator.save("calibrator.json")
     calibrator = keras_duq.evaluation.CertaintyCalibrator.load("calibrator.json")
     ```
 
     Args:
-        thresholds: optional, a fitted map's increasing certainties (as in
+        thresholds: optional, a fitted map's increasing scores (as in
             `get_config()`); leave unset and call `fit`.
         values: optional, the probabilities at `thresholds`, non-decreasing
             in `[0, 1]`.
+        weights: optional, with `bias`: a fitted map's two score weights
+            (distance, ambiguity), for a map over kernel values.
+        bias: optional float, the score's bias.
     """
 
     def __init__(
-        self, thresholds: ArrayLike | None = None, values: ArrayLike | None = None
+        self,
+        thresholds: ArrayLike | None = None,
+        values: ArrayLike | None = None,
+        weights: ArrayLike | None = None,
+        bias: float | None = None,
     ) -> None:
-        if (thresholds is None) != (values is None):
+        if (
+            (thresholds is None) != (values is None)
+            or (weights is None) != (bias is None)
+            or (thresholds is not None and weights is not None)
+        ):
             raise ValueError(
-                "Pass both `thresholds` and `values` (a fitted map, as in "
-                "`get_config()`), or neither and call `fit`. Received: "
-                f"`thresholds={thresholds!r}`, `values={values!r}`"
+                "Pass both `thresholds` and `values` (a map over certainties) "
+                "or both `weights` and `bias` (a map over kernel values), as "
+                "in `get_config()`, or none of them and call `fit`. Received: "
+                f"`thresholds={thresholds!r}`, `values={values!r}`, "
+                f"`weights={weights!r}`, `bias={bias!r}`"
             )
         if thresholds is not None:
             thresholds, values = _as_calibration_map(thresholds, values)
+        if weights is not None:
+            weights = np.asarray(weights, dtype="float32")
+            if weights.shape != (2,) or not np.isfinite(weights).all():
+                raise ValueError(
+                    "Expected `weights` to be two finite floats (distance, "
+                    f"ambiguity), as in `get_config()`. Received: `weights={weights!r}`"
+                )
+            bias = float(bias)
         self.thresholds = thresholds
         self.values = values
+        self.weights = weights
+        self.bias = bias
 
     @property
     def fitted(self) -> bool:
         """Whether the map is set (by `fit` or the constructor)."""
-        return self.thresholds is not None
+        return self.thresholds is not None or self.weights is not None
 
-    def fit(self, certainty: ArrayLike, correct: ArrayLike) -> CertaintyCalibrator:
+    def fit(self, scores: ArrayLike, correct: ArrayLike) -> CertaintyCalibrator:
         """Fits the map on validation data; returns the calibrator.
 
         Args:
-            certainty: array-like `(num_examples,)`, certainty on
-                in-distribution validation data (not the training data, on
-                which the model is over-confident).
+            scores: array-like, on in-distribution validation data (not the
+                training data, on which the model is over-confident): the
+                kernel values `(num_examples, num_classes)` (`predict`'s
+                output), or certainties `(num_examples,)`.
             correct: array-like `(num_examples,)` of bools (or 0/1), whether
                 each prediction is right; both outcomes must occur.
 
         Returns:
             `self`, fitted.
         """
-        # Fitted on float32 values, the certainty a model outputs, so that
-        # every threshold is exactly representable in the float32 map.
-        certainty = as_certainty("certainty", certainty).astype("float32")
-        correct = as_correct("correct", correct, len(certainty))
+        kernel_values = np.asarray(scores, dtype="float32")
+        per_class = kernel_values.ndim == 2
+        if per_class:
+            if kernel_values.shape[0] == 0 or kernel_values.shape[1] < 2:
+                raise ValueError(
+                    "Expected kernel values of shape (num_examples, num_classes) "
+                    "with at least one example and two classes, or certainties "
+                    f"(num_examples,). Received: `scores` of shape {kernel_values.shape}"
+                )
+            check_finite_scores("scores", kernel_values)
+            features = ops.convert_to_numpy(_score_features(kernel_values))
+        else:
+            # Fitted on float32 values, the certainty a model outputs, so that
+            # every threshold is exactly representable in the float32 map.
+            certainty = as_certainty("scores", scores).astype("float32")
+        correct = as_correct("correct", correct, len(kernel_values))
         check_both_outcomes(
             correct,
             "Fitting a calibrator",
@@ -101,6 +147,19 @@ class CertaintyCalibrator:
         )
         from sklearn.isotonic import IsotonicRegression
 
+        if per_class:
+            from sklearn.linear_model import LogisticRegression
+
+            regression = LogisticRegression(C=1.0).fit(features, correct)
+            self.weights = regression.coef_[0].astype("float32")
+            self.bias = float(regression.intercept_[0])
+            # The logistic map itself: strictly monotone in its score, so it
+            # keeps every distinction between examples, where an isotonic
+            # step on few validation mistakes would tie most of them (and
+            # with them out-of-distribution inputs).
+            self.thresholds = self.values = None
+            return self
+        self.weights = self.bias = None
         isotonic = IsotonicRegression(
             y_min=0.0, y_max=1.0, increasing=True, out_of_bounds="clip"
         )
@@ -110,35 +169,66 @@ class CertaintyCalibrator:
         )
         return self
 
-    def __call__(self, certainty: ArrayLike | Tensor) -> np.ndarray | Tensor:
+    @property
+    def takes_kernel_values(self) -> bool:
+        """Whether the map was fitted on kernel values (else on certainties)."""
+        return self.weights is not None
+
+    def __call__(self, scores: ArrayLike | Tensor) -> np.ndarray | Tensor:
         """The probability that each prediction is right.
 
         Args:
-            certainty: certainties of any shape: a numpy array (or list), or
-                a backend tensor (also symbolic, inside `tf.function`).
+            scores: what the map was fitted on: kernel values `(...,
+                num_classes)`, or certainties of any shape; a numpy array (or
+                list), or a backend tensor (also symbolic, inside
+                `tf.function`).
 
         Returns:
-            float32 probabilities of the same shape: a numpy array for numpy
+            float32 probabilities, one per example: a numpy array for numpy
             input, otherwise a backend tensor.
         """
         if not self.fitted:
             raise ValueError(
                 "This CertaintyCalibrator is not fitted yet. Call "
-                "`calibrator.fit(val_certainty, val_correct)` first, or load a "
+                "`calibrator.fit(val_kernel_values, val_correct)` first, or load a "
                 "fitted one with `CertaintyCalibrator.load(path)`."
             )
-        probability = _piecewise_linear(certainty, self.thresholds, self.values)
-        if isinstance(certainty, (np.ndarray, np.generic, list, tuple, float, int)):
+        values = scores
+        if self.takes_kernel_values:
+            shape = getattr(scores, "shape", None)
+            if shape is None:
+                shape = np.shape(scores)
+            if len(shape) < 2:
+                raise ValueError(
+                    "This calibrator was fitted on kernel values (num_examples, "
+                    "num_classes): pass `model.predict(x)`, not the certainty. "
+                    f"Received: scores of shape {tuple(shape)}"
+                )
+            probability = ops.sigmoid(
+                _score(_score_features(scores), self.weights, self.bias)
+            )
+        else:
+            probability = _piecewise_linear(values, self.thresholds, self.values)
+        if isinstance(scores, (np.ndarray, np.generic, list, tuple, float, int)):
             return ops.convert_to_numpy(probability)
         return probability
 
     def get_config(self) -> dict[str, Any]:
         """The map as a JSON-serialisable dict (lists of floats, or None)."""
+        if self.takes_kernel_values:
+            return {
+                "thresholds": None,
+                "values": None,
+                "weights": [float(w) for w in self.weights],
+                "bias": self.bias,
+            }
         if not self.fitted:
-            return {"thresholds": None, "values": None}
+            return {"thresholds": None, "values": None, "weights": None, "bias": None}
         return {
             "thresholds": [float(x) for x in self.thresholds],
             "values": [float(y) for y in self.values],
+            "weights": None,
+            "bias": None,
         }
 
     @classmethod
@@ -185,6 +275,49 @@ class CertaintyCalibrator:
     def __repr__(self) -> str:
         size = "not fitted" if not self.fitted else f"{len(self.thresholds)} knots"
         return f"<CertaintyCalibrator ({size})>"
+
+
+def _score_features(kernel_values):
+    """`(..., 2)`: the distance and the ambiguity of each row of kernel values.
+
+    Distance: `log` of the largest kernel value (low far from every
+    centroid). Ambiguity: its margin over the second largest in `log` space
+    (small where two classes are about as close). Both from `log K` floored
+    at `LOG_KERNEL_FLOOR`. Only `keras.ops` (no `top_k`), so it runs in every
+    export format.
+    """
+    kernel_values = ops.cast(ops.convert_to_tensor(kernel_values), "float32")
+    log_kernel = ops.maximum(
+        ops.log(ops.maximum(kernel_values, 1e-38)), LOG_KERNEL_FLOOR
+    )
+    # `initial`: the floor is every value's lower bound, and TensorFlow's
+    # `max` refuses an empty batch without one.
+    largest = ops.max(log_kernel, axis=-1, keepdims=True, initial=LOG_KERNEL_FLOOR)
+    # The largest value masked to the floor: the second largest, or the
+    # largest again where two classes tie (a margin of 0).
+    ties = ops.sum(ops.cast(ops.greater_equal(log_kernel, largest), "int32"), axis=-1)
+    second = ops.max(
+        ops.where(ops.greater_equal(log_kernel, largest), LOG_KERNEL_FLOOR, log_kernel),
+        axis=-1,
+        initial=LOG_KERNEL_FLOOR,
+    )
+    largest = ops.squeeze(largest, -1)
+    second = ops.where(ops.greater(ties, 1), largest, second)
+    return ops.stack([largest, largest - second], axis=-1)
+
+
+def _score(features, weights, bias):
+    """The logistic regression's score (its logit) of `_score_features`."""
+    weights = ops.convert_to_tensor(np.asarray(weights, "float32"))
+    return ops.sum(ops.cast(features, "float32") * weights, axis=-1) + bias
+
+
+def check_finite_scores(name, values):
+    if not np.isfinite(values).all():
+        raise ValueError(
+            f"Expected `{name}` to be finite kernel values in [0, 1]. "
+            f"Received: `{name}` with NaN or Inf"
+        )
 
 
 def _piecewise_linear(x, thresholds, values):

@@ -12,6 +12,7 @@ step; an empty `tf.data.Dataset` of known size is rejected here.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import keras
@@ -20,18 +21,47 @@ import numpy as np
 from keras_duq import _compat
 from keras_duq._errors import FRACTIONAL_LABEL
 from keras_duq._errors import LABEL_RANGE
+from keras_duq._errors import NON_FINITE_LABEL
+from keras_duq._errors import SOFT_LABEL
 from keras_duq._errors import is_one_hot
 from keras_duq._errors import label_codes
+from keras_duq._errors import one_hot_codes
 from keras_duq._validation import FRACTIONAL_LABEL_MESSAGE
 from keras_duq._validation import NON_FINITE_INPUT_MESSAGE
+from keras_duq._validation import NON_FINITE_LABEL_MESSAGE
 from keras_duq._validation import label_dtype_message
 from keras_duq._validation import label_range_message
 from keras_duq._validation import non_finite_rows
+from keras_duq._validation import soft_label_message
 
 NO_LABELS_MESSAGE = (
     "DUQModel needs labels to train and evaluate: pass `y` (or a dataset of "
     "`(x, y)` pairs)."
 )
+
+
+def lists_as_arrays(model: Any, arguments: dict[str, Any]) -> dict[str, Any]:
+    """The call's arguments with Python lists of labels (and of a single
+    input's rows) as NumPy arrays: Keras reads a list as one array per
+    model input or output, and its error then names `x` for labels."""
+    arguments = dict(arguments)
+    single_input = len(model.feature_extractor.inputs) == 1
+    for name in ("x", "y"):
+        value = arguments.get(name)
+        if isinstance(value, list) and (name == "y" or single_input):
+            try:
+                arguments[name] = np.asarray(value)
+            except ValueError:  # ragged: the data check reports it
+                pass
+    validation = arguments.get("validation_data")
+    if isinstance(validation, tuple) and len(validation) >= 2:
+        if isinstance(validation[1], list):
+            arguments["validation_data"] = (
+                validation[0],
+                np.asarray(validation[1]),
+                *validation[2:],
+            )
+    return arguments
 
 
 def check_call_data(model: Any, method: str, arguments: dict[str, Any]) -> None:
@@ -60,7 +90,10 @@ def check_call_data(model: Any, method: str, arguments: dict[str, Any]) -> None:
             "`tf.data.Dataset`, a generator or a `keras.utils.PyDataset`). "
             "Received: `x=None`"
         )
+    _check_text_inputs(model.feature_extractor.input, x)
+    _check_class_weight(arguments.get("class_weight"), model.num_classes)
     _check_dataset_not_empty(method, "x", x)
+    _check_dataset_spec(method, model.feature_extractor.input, x)
     if not _compat.is_array_data(x, y, weights):
         return
     inputs = model.feature_extractor.input
@@ -104,6 +137,92 @@ def check_arrays(
         raise ValueError(NO_LABELS_MESSAGE)
     label_name = "y" if name == "x" else f"{name}[1]"
     _check_labels(label_name, _as_array(y), num_classes)
+
+
+def _is_text(value):
+    if isinstance(value, str):
+        return True
+    if isinstance(value, (list, tuple)) and value and isinstance(value[0], str):
+        return True
+    dtype = getattr(value, "dtype", None)
+    return isinstance(dtype, np.dtype) and dtype.kind in "USO" and (
+        dtype.kind != "O" or (value.size and isinstance(value.flat[0], (str, bytes)))
+    )
+
+
+def _check_text_inputs(specs, x):
+    """Text where the model takes numbers: say how to feed text."""
+    for path, spec, value in _paired_inputs(specs, x):
+        if spec is None or spec.dtype == "string" or not _is_text(value):
+            continue
+        raise ValueError(
+            f"`x{path}` holds text, but the model's input takes {spec.dtype} "
+            "values. Put a `keras.layers.TextVectorization` layer at the start "
+            "of the backbone with `keras.Input(shape=(1,), dtype='string')`, "
+            "or pass token ids (integers) from a tokenizer, with an "
+            "`Embedding` layer in the backbone. Received: "
+            f"`x{path}` of text, e.g. {_first_item(value)!r:.80}"
+        )
+
+
+def _first_item(value):
+    if isinstance(value, str):
+        return value
+    first = np.asarray(value).reshape(-1)[0]
+    return first.item() if isinstance(first, np.generic) else first
+
+
+def _check_class_weight(class_weight, num_classes):
+    if class_weight is None:
+        return
+    if not isinstance(class_weight, dict):
+        raise ValueError(
+            "Expected `class_weight` to be a dict from class index to weight, "
+            f"e.g. {{0: 1.0, 1: 5.0}}. Received: `class_weight={class_weight!r}`"
+        )
+    for key, weight in class_weight.items():
+        valid_key = isinstance(key, (int, np.integer)) and not isinstance(key, bool)
+        if not valid_key or not 0 <= key < num_classes:
+            raise ValueError(
+                f"`class_weight` names class {key!r}, but this model's classes "
+                f"are the integers 0 to {num_classes - 1}. Drop the entry, or "
+                "build the model with the right `num_classes`. Received: "
+                f"`class_weight={class_weight!r}`"
+            )
+        if isinstance(weight, bool) or not isinstance(
+            weight, (int, float, np.number)
+        ) or not (np.isfinite(weight) and weight >= 0):
+            raise ValueError(
+                "Expected each `class_weight` value to be a finite number >= 0. "
+                f"Received: `class_weight[{key!r}]={weight!r}`"
+            )
+
+
+def _check_dataset_spec(method, specs, data):
+    """A `tf.data.Dataset` whose inputs cannot match the model's, before a step."""
+    tf = sys.modules.get("tensorflow")
+    if tf is None or not isinstance(data, tf.data.Dataset):
+        return
+    element = data.element_spec
+    if isinstance(element, tuple):
+        element = element[0]
+    for path, spec, value in _paired_inputs(specs, element):
+        if spec is None or not isinstance(value, tf.TensorSpec):
+            continue
+        expected, received = tuple(spec.shape), tuple(value.shape)
+        if value.shape.rank is None:
+            continue
+        if len(expected) != len(received) or any(
+            e is not None and r is not None and e != r
+            for e, r in zip(expected[1:], received[1:])
+        ):
+            raise ValueError(
+                f"The dataset's inputs do not match the model's: expected "
+                f"`x{path}` batches of shape {expected} (the batch axis first), "
+                f"but the dataset's elements have shape {received}. Batch the "
+                "dataset (`dataset.batch(32)`) or reshape its inputs in a "
+                f"`dataset.map`. Received: the dataset passed to `{method}`"
+            )
 
 
 def _check_dataset_not_empty(method, name, data):
@@ -173,28 +292,29 @@ def _check_finite(where, array):
 def _check_labels(name, y, num_classes):
     if y.dtype.kind not in "iuf":
         return  # the label dtype check reports it
-    if is_one_hot(y.shape, num_classes):
-        if y.dtype.kind == "f" and not np.isfinite(y).all():
-            raise ValueError(
-                f"One-hot labels must be finite. Received: `{name}` with NaN or Inf."
-            )
-        return
-    labels = y.reshape(-1)
-    if labels.size == 0:
+    one_hot = is_one_hot(y.shape, num_classes)
+    labels = y if one_hot else y.reshape(-1)
+    if labels.shape[0] == 0:
         raise ValueError(
             f"Received empty labels: `{name}` has no examples (shape {y.shape})."
         )
     with np.errstate(invalid="ignore"):
-        codes = label_codes(labels, num_classes, np)
+        if one_hot:
+            codes = one_hot_codes(labels, np)
+        else:
+            codes = label_codes(labels, num_classes, np)
     for code, message in (
+        (NON_FINITE_LABEL, NON_FINITE_LABEL_MESSAGE),
+        (SOFT_LABEL, soft_label_message(num_classes)),
         (FRACTIONAL_LABEL, FRACTIONAL_LABEL_MESSAGE),
         (LABEL_RANGE, label_range_message(num_classes)),
     ):
         bad = np.flatnonzero(codes == code)
         if bad.size:
             i = int(bad[0])
+            value = labels[i].tolist() if one_hot else labels[i].item()
             raise ValueError(
-                f"{message} Received: `{name}[{i}]={labels[i].item()!r}` "
+                f"{message} Received: `{name}[{i}]={value!r}` "
                 f"({bad.size} such label(s))."
             )
 

@@ -20,6 +20,8 @@ from keras_duq import _ops
 from keras_duq import _penalty_input
 from keras_duq import _saved_configs
 from keras_duq import _trainer
+from keras_duq._batch_norm import as_arrays
+from keras_duq._batch_norm import inputs_of
 from keras_duq._duq_output import find_duq_output
 from keras_duq._typing import Tensor
 from keras_duq._validation import check_non_negative
@@ -308,6 +310,8 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
         )
         self.feature_extractor = feature_extractor
         self.duq_output = duq_output
+        # The symbolic output, outside Keras's tracking (for `output`).
+        self.__dict__["_symbolic_output"] = outputs
         self.gradient_penalty = float(gradient_penalty)
         self.penalty = penalty
         self.penalty_interval = penalty_interval
@@ -339,6 +343,28 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
             None if self.error_tracker_class is None else self.error_tracker_class()
         )
         self.built = True
+
+    # The graph's ends, as a functional model has them: `keras.Model(
+    # model.inputs, model.outputs)` and tools that read input specs work.
+    @property
+    def inputs(self) -> list:
+        """The model's symbolic inputs (a list), as on a functional model."""
+        return self.feature_extractor.inputs
+
+    @property
+    def input(self) -> Any:
+        """The model's symbolic input(s), in the structure it was built with."""
+        return self.feature_extractor.input
+
+    @property
+    def outputs(self) -> list:
+        """The model's symbolic outputs: `[kernel_values]`."""
+        return [self._symbolic_output]
+
+    @property
+    def output(self) -> keras.KerasTensor:
+        """The model's symbolic output: the kernel values `(batch, num_classes)`."""
+        return self._symbolic_output
 
     def call(self, inputs: Any, training: bool | None = None) -> Tensor:
         features = self.feature_extractor(inputs, training=training)
@@ -417,18 +443,57 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
     def _prepared_call(self, method, name, args, kwargs):
         """`(args, kwargs)` for the Keras `method`: data checked whole, a
         `HealthCheck` added (`fit`, `evaluate`), fed as the backend wants."""
-        arguments = _bound_arguments(method, args, kwargs)
+        arguments = _data_checks.lists_as_arrays(
+            self, _bound_arguments(method, args, kwargs)
+        )
         _data_checks.check_call_data(self, name, arguments)
+        if name == "fit" and self.duq_output.needs_start:
+            arguments = self._start_from_data(arguments)
         if self.health_checks and name != "predict":
             arguments = _health.with_health_check(self, arguments)
         return (), _BackendTrainer.prepare_arguments(name, arguments)
 
+    def _start_from_data(self, arguments):
+        """`length_scale="auto"`: the head's scale and centroid start from a
+        sample of the training inputs (`DUQOutput.start_from_features`);
+        the arguments, with a generator's first batch put back."""
+        x = arguments.get("x")
+        if inspect.isgenerator(x):
+            first = next(x, None)
+            if first is None:
+                return arguments  # empty: `fit` says so
+            arguments = {**arguments, "x": _chained(first, x)}
+            sample = as_arrays(inputs_of(first))
+        else:
+            sample, _ = _health.sample_inputs(x, arguments.get("batch_size"))
+        if sample is None:
+            return arguments
+        head = self.duq_output
+        self._unstarted = [keras.ops.copy(v.value) for v in head.start_variables]
+        features = self.feature_extractor(sample, training=False)
+        head.start_from_features(features)
+        return arguments
+
     @functools.wraps(keras.Model.fit)
     def fit(self, *args: Any, **kwargs: Any) -> keras.callbacks.History:
+        self._unstarted = None
         args, kwargs = self._prepared_call(super().fit, "fit", args, kwargs)
         iterations = _trainer.optimizer_steps_or_zero(self)
-        with _failed_call_guard(self, iterations), _empty_data_error("fit"):
-            history = super().fit(*args, **kwargs)
+        try:
+            with _failed_call_guard(self, iterations), _empty_data_error("fit"):
+                history = super().fit(*args, **kwargs)
+        except BaseException:
+            # A call that applied no step leaves the head as it found it.
+            if self._unstarted is not None and (
+                _trainer.optimizer_steps_or_zero(self) == iterations
+            ):
+                for variable, value in zip(
+                    self.duq_output.start_variables, self._unstarted
+                ):
+                    variable.assign(value)
+            raise
+        finally:
+            self._unstarted = None
         ran_no_step = (
             _trainer.optimizer_steps_or_zero(self) == iterations
             and kwargs.get("epochs", 1) > kwargs.get("initial_epoch", 0)
@@ -638,6 +703,12 @@ def _failed_call_guard(model, iterations=None):
             if rejected is None or rejected is error:
                 raise
             raise rejected from error
+
+
+def _chained(first, rest):
+    """A generator of `first`, then what `rest` yields."""
+    yield first
+    yield from rest
 
 
 @contextlib.contextmanager

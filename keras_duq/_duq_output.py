@@ -13,6 +13,7 @@ from keras_duq import _saved_configs
 from keras_duq._typing import Tensor
 from keras_duq._validation import check_int
 from keras_duq._validation import check_positive
+from keras_duq._values import to_float64
 
 DEFAULT_KERNEL_INITIALIZER = "he_normal"
 # The default centroid size is the number of features, capped here: the head
@@ -32,6 +33,15 @@ HEADS = ("auto", "per_class", "shared")
 # per-class head's training step grows with this product; the shared head holds
 # `features * centroid_dims` values whatever the number of classes.
 MAX_PER_CLASS_HEAD_VALUES = 2**24
+AUTO = "auto"
+# `length_scale="auto"`'s value until `start_from_features` measures it: the
+# paper's, so a model used before training computes what it always did.
+AUTO_PLACEHOLDER_LENGTH_SCALE = 0.1
+# `length_scale="auto"`: the length scale in units of the features' spread
+# (`_ops.embedding_scale`). Half a spread: an example one spread from its
+# centroid starts at a kernel value of exp(-2); measured against 1 and 2
+# spreads on five data sets (docs/reports/defaults.md).
+AUTO_LENGTH_SCALE_SPREADS = 0.5
 
 
 @keras.saving.register_keras_serializable(package="keras_duq")
@@ -102,10 +112,19 @@ class DUQOutput(keras.layers.Layer):
             keeps it proportionate on wide backbones (5.2M weights instead of
             42M for 2048 features and 10 classes). The paper used 256 for
             FashionMNIST and 512 for CIFAR-10 (pass it explicitly).
-        length_scale: float > 0, the RBF length scale `sigma`. Defaults to
-            `0.1`, the paper's value for FashionMNIST and CIFAR-10. With
-            `trainable_length_scale=True` it is the initial value of a
-            per-class learned length scale.
+        length_scale: `"auto"` (default) or a float > 0, the RBF length
+            scale `sigma`. `"auto"` measures it on the features: at the
+            start of the first `fit` (or `start_from_features`), `sigma` is
+            set to half the spread of the projected training features (the
+            root of their mean variance), and the centroids' random start
+            is placed around their mean at that spread, so that the kernel
+            values start near `exp(-4)`, not underflowing, whatever the
+            backbone's scale. A
+            fixed `sigma` (the paper's `0.1` for FashionMNIST and CIFAR-10)
+            suits features whose spread is near it; on small or
+            short-trained models it can leave every kernel value
+            underflowing. With `trainable_length_scale=True` it is the
+            initial value of a per-class learned length scale.
         momentum: float in `[0, 1)`, momentum of the centroid moving average
             (as in `BatchNormalization`). Defaults to `0.999`.
         kernel_initializer: initializer for `W`. Defaults to `"he_normal"`:
@@ -169,7 +188,7 @@ class DUQOutput(keras.layers.Layer):
         self,
         num_classes: int,
         centroid_dims: int | None = None,
-        length_scale: float = 0.1,
+        length_scale: float | str = "auto",
         momentum: float = 0.999,
         kernel_initializer: str | keras.initializers.Initializer = (
             DEFAULT_KERNEL_INITIALIZER
@@ -195,9 +214,14 @@ class DUQOutput(keras.layers.Layer):
         check_int("num_classes", num_classes, minimum=2)
         if centroid_dims is not None:
             check_int("centroid_dims", centroid_dims, minimum=1)
-        if not isinstance(length_scale, (int, float)) or not length_scale > 0:
+        if length_scale != AUTO and (
+            isinstance(length_scale, bool)
+            or not isinstance(length_scale, (int, float))
+            or not length_scale > 0
+        ):
             raise ValueError(
-                "Expected `length_scale` to be a float > 0. "
+                'Expected `length_scale` to be "auto" (measured on the features '
+                "at the start of training) or a float > 0. "
                 f"Received: `length_scale={length_scale!r}`"
             )
         if not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
@@ -223,7 +247,7 @@ class DUQOutput(keras.layers.Layer):
         self.head = head
         self.num_classes = num_classes
         self.centroid_dims = centroid_dims
-        self.length_scale = float(length_scale)
+        self.length_scale = AUTO if length_scale == AUTO else float(length_scale)
         self.momentum = float(momentum)
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.trainable_length_scale = bool(trainable_length_scale)
@@ -258,9 +282,24 @@ class DUQOutput(keras.layers.Layer):
         self.length_scales = self.add_weight(
             name="length_scales",
             shape=(self.num_classes,),
-            initializer=keras.initializers.Constant(self.length_scale),
+            initializer=keras.initializers.Constant(
+                AUTO_PLACEHOLDER_LENGTH_SCALE
+                if self.length_scale == AUTO
+                else self.length_scale
+            ),
             trainable=self.trainable_length_scale,
         )
+        if self.length_scale == AUTO:
+            # 1 once `start_from_features` has set the length scale and the
+            # centroids' start: saved with the model, so that a reloaded
+            # model that trained keeps them.
+            self.started = self.add_weight(
+                name="started",
+                shape=(),
+                initializer="zeros",
+                trainable=False,
+                aggregation="only_first_replica",
+            )
         prior_count = (
             _ops.BIAS_CORRECTED_CENTROID_COUNT
             if self.bias_correction
@@ -283,6 +322,49 @@ class DUQOutput(keras.layers.Layer):
             aggregation="mean",
         )
         self.input_spec = keras.layers.InputSpec(ndim=2, axes={-1: features})
+
+    @property
+    def needs_start(self) -> bool:
+        """Whether `length_scale="auto"` still waits for `start_from_features`."""
+        return (
+            self.length_scale == AUTO
+            and self.built
+            and float(to_float64(self.started)) == 0.0
+        )
+
+    @property
+    def start_variables(self) -> list:
+        """The variables `start_from_features` sets."""
+        return [self.length_scales, self.centroid_sums, self.started]
+
+    def start_from_features(self, features: Tensor) -> None:
+        """Sets `length_scale="auto"`'s length scale and centroid start from features.
+
+        `fit` calls this once, on a sample of its training inputs, before
+        the first step; call it yourself only in a custom training loop.
+        The length scale becomes the spread of the projected features
+        (`_ops.embedding_scale`), and the centroids start around their mean
+        at that spread (`_ops.centroid_start`), with the counts kept, so the
+        moving averages move them as before. A layer with a fixed
+        `length_scale` is left as it is.
+
+        Args:
+            features: `(batch, features)` backbone output on training
+                inputs, in inference mode; at least two examples.
+        """
+        if self.length_scale != AUTO:
+            return
+        embeddings = self.embed(features)
+        scale = _ops.embedding_scale(embeddings)
+        noise = keras.random.normal(
+            (self._resolved_centroid_dims, self.num_classes), dtype="float32"
+        )
+        centroids = _ops.centroid_start(embeddings, scale, noise)
+        self.length_scales.assign(
+            ops.full((self.num_classes,), AUTO_LENGTH_SCALE_SPREADS * scale)
+        )
+        self.centroid_sums.assign(centroids * self.centroid_counts.value[None, :])
+        self.started.assign(1.0)
 
     @property
     def resolved_head(self) -> str:

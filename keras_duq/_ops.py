@@ -77,6 +77,57 @@ def _shared_squared_distances(embeddings: Tensor, centroids: Tensor) -> Tensor:
     return ops.relu(squared) / ops.cast(ops.shape(centroids)[0], squared.dtype)
 
 
+# The smallest variance `embedding_scale` reports: features that do not vary
+# over the sample (one example, a constant backbone) still give a finite,
+# positive length scale.
+_MIN_EMBEDDING_VARIANCE = 1e-12
+
+
+def embedding_scale(embeddings: Tensor) -> Tensor:
+    """The spread of embeddings: the root of their mean per-dimension variance.
+
+    The typical distance (in `squared_distances`' units, a mean over the
+    centroid dimensions) of an embedding from the mean embedding. With
+    `length_scale="auto"` half of it is the length scale, and all of it the
+    scale of the centroids' random start: the kernel is then measured in
+    units of the
+    features' own spread instead of an absolute `0.1`, which underflows
+    where features are small (pooled embeddings) and saturates where they
+    are large.
+
+    Args:
+        embeddings: `(batch, centroid_dims, num_classes)` or
+            `(batch, centroid_dims)`, as in `squared_distances`.
+
+    Returns:
+        A scalar float32 tensor `> 0`.
+    """
+    variance = ops.mean(ops.var(embeddings, axis=0))
+    return ops.sqrt(ops.maximum(variance, _MIN_EMBEDDING_VARIANCE))
+
+
+def centroid_start(embeddings: Tensor, scale: Tensor, noise: Tensor) -> Tensor:
+    """Random centroids around the mean embedding, `scale` apart in each dimension.
+
+    `mean_embedding + scale * noise`: every class starts one spread from the
+    data, in a random direction of its own, so the kernel values start near
+    `exp(-4)` (at a length scale of half a spread) instead of underflowing,
+    and classes are told apart from the first step.
+
+    Args:
+        embeddings: as in `embedding_scale`.
+        scale: scalar from `embedding_scale`.
+        noise: `(centroid_dims, num_classes)` standard normal values.
+
+    Returns:
+        `(centroid_dims, num_classes)` centroids.
+    """
+    center = ops.mean(embeddings, axis=0)
+    if len(center.shape) == 1:  # the shared head: one embedding for all classes
+        center = center[:, None]
+    return center + scale * noise
+
+
 def log_kernel_values(distances: Tensor, length_scale: float | Tensor) -> Tensor:
     """Logarithm of the RBF kernel: `log K_c = -d_c / (2 length_scale^2)`.
 

@@ -114,8 +114,15 @@ def serving_outputs(
             certainty, ops.cast(options.certainty_threshold, certainty.dtype)
         )
     if options.calibrator is not None:
+        # A map fitted on kernel values reads them whole (distance and
+        # ambiguity); one fitted on certainties reads the certainty.
+        calibrated = (
+            kernel_values
+            if getattr(options.calibrator, "takes_kernel_values", False)
+            else certainty
+        )
         outputs["probability_correct"] = ops.cast(
-            options.calibrator(certainty), "float32"
+            options.calibrator(calibrated), "float32"
         )
     return _refuse_rows(outputs, finite_rows(inputs))
 

@@ -10,6 +10,7 @@ the graph.
 from __future__ import annotations
 
 import tensorflow as tf
+from keras import ops
 
 from keras_duq import _errors
 from keras_duq import _trainer
@@ -49,4 +50,10 @@ def _labels_of_unknown_format(y, num_classes):
         lambda: tf.cast(tf.reshape(flat, (-1, num_classes)), "float32"),
         lambda: indices_one_hot,
     )
+    row_code = tf.cond(
+        is_one_hot,
+        lambda: ops.max(_errors.one_hot_codes(one_hot, ops), initial=0),
+        lambda: tf.zeros((), code.dtype),
+    )
+    code = _trainer.first_error(code, tf.cast(row_code, code.dtype))
     return one_hot, code

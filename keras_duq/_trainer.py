@@ -45,6 +45,7 @@ from keras_duq._errors import NON_FINITE_INPUT
 from keras_duq._errors import DUQBatchError
 from keras_duq._errors import is_one_hot
 from keras_duq._errors import label_codes
+from keras_duq._errors import one_hot_codes
 from keras_duq._validation import finite_row_mask
 from keras_duq._validation import is_float
 from keras_duq._validation import label_dtype_message
@@ -131,7 +132,8 @@ def labels_to_one_hot(y, num_classes):
     if dtype == "bool" or not ("int" in dtype or is_float(dtype)):
         raise ValueError(label_dtype_message(num_classes, dtype))
     if is_one_hot(tuple(y.shape), num_classes):
-        return ops.cast(y, "float32"), ops.zeros((), "int32")
+        code = ops.cast(ops.max(one_hot_codes(y, ops), initial=0), "int32")
+        return ops.cast(y, "float32"), code
     labels = ops.reshape(y, (-1,))
     # The worst code of the batch: a fractional label before one out of range.
     code = ops.cast(ops.max(label_codes(labels, num_classes, ops)), "int32")

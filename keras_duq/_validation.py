@@ -84,6 +84,22 @@ FRACTIONAL_LABEL_MESSAGE = (
     "was found. Pass integer class indices, or one-hot labels of shape "
     "(batch, num_classes)."
 )
+NON_FINITE_LABEL_MESSAGE = (
+    "Labels must be finite class indices or one-hot rows, but a NaN or "
+    "infinite label was found. Drop or fix the examples whose label is "
+    "missing before training."
+)
+
+
+def soft_label_message(num_classes: int) -> str:
+    return (
+        f"One-hot labels of shape (batch, {num_classes}) must hold exactly one "
+        "1 and zeros in each row, but a soft or smoothed row (e.g. [0.7, 0.3]) "
+        "was found. DUQ trains each class's kernel towards 0 or 1 and moves "
+        "each centroid with its own class's examples, so soft labels are not "
+        "supported: pass hard labels, e.g. `y.argmax(axis=-1)` as class "
+        "indices, and leave label smoothing out."
+    )
 
 
 def label_range_message(num_classes: int) -> str:

@@ -11,6 +11,12 @@ from keras import ops
 
 def to_float64(value: Any) -> np.ndarray:
     """A tensor's or a variable's value as a float64 NumPy array (any backend)."""
+    if isinstance(value, keras.Variable):
+        value = value.value
+    if keras.backend.backend() == "tensorflow" and hasattr(value, "numpy"):
+        # Not `np.array(tensor)` (what `convert_to_numpy` does there): NumPy 2
+        # warns about TensorFlow's `__array__`, which takes no `copy`.
+        return np.asarray(value.numpy(), dtype="float64")
     return np.asarray(ops.convert_to_numpy(value)).astype("float64")
 
 

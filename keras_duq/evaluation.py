@@ -13,6 +13,8 @@ models (kernel values), softmax models and ensembles (probabilities) alike.
 - Selective prediction (answer only when certain enough):
   `risk_coverage_curve`, `aurc`, `risk_at_coverage`, and
   `certainty_threshold`, the threshold to deploy with `certainty >= t`.
+- Prediction sets with a guaranteed coverage (split conformal):
+  `conformal_threshold`, `prediction_sets`, `prediction_set_metrics`.
 
 Example:
 
@@ -53,9 +55,12 @@ __all__ = [
     "calibration_curve",
     "certainty_scores",
     "certainty_threshold",
+    "conformal_threshold",
     "expected_calibration_error",
     "misclassification_auroc",
     "ood_metrics",
+    "prediction_set_metrics",
+    "prediction_sets",
     "rejection_curve",
     "risk_at_coverage",
     "risk_coverage_curve",
@@ -548,6 +553,127 @@ def certainty_threshold(certainty: ArrayLike, keep: float = 0.95) -> float:
     certainty = as_certainty("certainty", certainty)
     accepted = count_for_fraction(len(certainty), keep)
     return float(np.sort(certainty)[len(certainty) - accepted])
+
+
+def conformal_threshold(
+    scores: ArrayLike, labels: ArrayLike, coverage: float = 0.9
+) -> float:
+    """Split-conformal threshold: prediction sets that hold the true class at `coverage`.
+
+    Fitted on labelled in-distribution validation data that the model did
+    not train on: with `t` returned, the set `{c : scores[c] >= t}` of a new
+    example from the same distribution holds its true class with
+    probability at least `coverage` (marginally, over examples; Vovk et al.,
+    2005). `t` is the `floor((n + 1) * (1 - coverage))`-th smallest score of
+    the true class among the `n` validation examples.
+
+    For DUQ pass the kernel values: the sets are then the classes whose
+    centroid is close enough, and an input far from every centroid gets an
+    empty set (the model abstains) instead of a guess. For softmax models
+    pass the probabilities. `prediction_sets` applies the threshold and
+    `prediction_set_metrics` measures the coverage reached and the sets' size.
+
+    Example:
+
+    ```python
+    t = keras_duq.evaluation.conformal_threshold(model.predict(x_val), y_val, 0.9)
+    sets = keras_duq.evaluation.prediction_sets(model.predict(x_test), t)
+    keras_duq.evaluation.prediction_set_metrics(sets, y_test)
+    # {"coverage": ~0.9, "mean_size": ..., "empty": ...}
+    ```
+
+    Args:
+        scores: array-like `(num_examples, num_classes)`, per-class scores
+            (higher: more likely) on validation data.
+        labels: array-like `(num_examples,)` of class indices.
+        coverage: float in `(0, 1)`, the target probability that a set
+            holds the true class. Defaults to `0.9`.
+
+    Returns:
+        The threshold `t` as a float; `-inf` (every class in every set)
+        when there are too few examples for `coverage`
+        (`n < 1 / (1 - coverage) - 1`).
+    """
+    if isinstance(coverage, bool) or not isinstance(coverage, (int, float)) or not (
+        0 < coverage < 1
+    ):
+        raise ValueError(
+            "Expected `coverage` to be a probability in (0, 1), e.g. 0.9. "
+            f"Received: `coverage={coverage!r}`"
+        )
+    scores, labels = _scores_and_labels(scores, labels)
+    true_scores = np.sort(scores[np.arange(len(labels)), labels])
+    # A tolerance as in `count_for_fraction`: 0.1 * 20 is 2, not 1.9999.
+    below = int(np.floor(round((len(labels) + 1) * (1 - coverage), 9)))
+    if below < 1:
+        return float("-inf")
+    return float(true_scores[below - 1])
+
+
+def prediction_sets(scores: ArrayLike, threshold: float) -> np.ndarray:
+    """The classes whose score reaches `threshold`, per example.
+
+    Args:
+        scores: array-like `(num_examples, num_classes)`, per-class scores as
+            passed to `conformal_threshold`.
+        threshold: float, from `conformal_threshold`.
+
+    Returns:
+        A bool array `(num_examples, num_classes)`: `True` for each class in
+        the example's set.
+    """
+    scores = np.asarray(scores, dtype="float64")
+    if scores.ndim != 2:
+        raise ValueError(
+            "Expected `scores` of shape (num_examples, num_classes), e.g. "
+            f"`model.predict(x)`. Received: `scores` of shape {scores.shape}"
+        )
+    return scores >= threshold
+
+
+def prediction_set_metrics(sets: ArrayLike, labels: ArrayLike) -> dict[str, float]:
+    """Coverage and size of prediction sets.
+
+    Args:
+        sets: bool array `(num_examples, num_classes)` from `prediction_sets`.
+        labels: array-like `(num_examples,)` of class indices.
+
+    Returns:
+        dict with `coverage` (the fraction of sets holding the true class),
+        `mean_size` (the average number of classes in a set) and `empty`
+        (the fraction of empty sets: inputs the model abstains on).
+    """
+    sets, labels = _scores_and_labels(sets, labels)
+    sets = sets.astype(bool)
+    return {
+        "coverage": float(np.mean(sets[np.arange(len(labels)), labels])),
+        "mean_size": float(np.mean(sets.sum(axis=1))),
+        "empty": float(np.mean(~sets.any(axis=1))),
+    }
+
+
+def _scores_and_labels(scores, labels):
+    scores = np.asarray(scores)
+    labels = np.asarray(labels)
+    if scores.ndim != 2 or len(scores) == 0:
+        raise ValueError(
+            "Expected per-class scores of shape (num_examples, num_classes) "
+            f"with at least one example. Received: shape {scores.shape}"
+        )
+    if labels.shape != (len(scores),):
+        raise ValueError(
+            f"Expected `labels` of shape ({len(scores)},), one class index per "
+            f"example. Received: `labels` of shape {labels.shape}"
+        )
+    if labels.dtype.kind not in "iu" or labels.min() < 0 or labels.max() >= scores.shape[1]:
+        raise ValueError(
+            f"Expected `labels` to be class indices in [0, {scores.shape[1]}). "
+            f"Received: `labels` of dtype {labels.dtype} in "
+            f"[{labels.min()}, {labels.max()}]"
+        )
+    if scores.dtype != bool and not np.isfinite(scores).all():
+        raise ValueError("Expected finite scores. Received: scores with NaN or Inf")
+    return scores, labels
 
 
 def _kept_correct(certainty, correct, kept):

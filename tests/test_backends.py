@@ -79,6 +79,8 @@ def test_rejected_batches_change_nothing(jit_compile):
         "nan_input": (nan_x, y, "NaN"),
         "overflow": (x * 1e30, y, "non-finite"),
         "wrong_one_hot_width": (x, np.eye(5, dtype="float32")[y], "label"),
+        "soft_one_hot": (x, 0.9 * np.eye(3, dtype="float32")[y] + 0.1 / 3, "soft"),
+        "nan_label": (x, np.where(np.arange(32) == 5, np.nan, y), "NaN or infinite"),
     }
 
     def stream(bad_x, bad_y):

@@ -71,7 +71,7 @@ def test_export_matches_predict_loaded_with_tensorflow_alone(tmp_path):
     model, x, y = _trained_model()
     kernel_values = model.predict(x, verbose=0)
     calibrator = CertaintyCalibrator().fit(
-        kernel_values.max(axis=1), kernel_values.argmax(axis=1) == y
+        kernel_values, kernel_values.argmax(axis=1) == y
     )
     x = x[:9].copy()
     expected = kernel_values[:9].copy()
@@ -152,7 +152,7 @@ def test_export_matches_predict_loaded_with_tensorflow_alone(tmp_path):
     assert 0 < served["accept"].sum() < len(x)
     np.testing.assert_allclose(
         served["probability_correct"][finite],
-        calibrator(served["certainty"][finite]),
+        calibrator(served["kernel_values"][finite]),
         rtol=1e-6,
         atol=1e-7,
     )
@@ -472,7 +472,7 @@ def test_each_format_serves_the_duq_outputs_in_its_runtime(tmp_path, format, pre
     x = np.random.default_rng(1).normal(size=(256, 4)).astype("float32")
     kernel_values = model.predict(x, verbose=0)
     calibrator = CertaintyCalibrator().fit(
-        kernel_values.max(axis=1),
+        kernel_values,
         kernel_values.argmax(axis=1) == np.random.default_rng(2).integers(0, 3, 256),
     )
     threshold = float(np.median(kernel_values.max(axis=1)))
@@ -548,7 +548,7 @@ def test_each_format_serves_the_duq_outputs_in_its_runtime(tmp_path, format, pre
         )
         np.testing.assert_allclose(
             served["probability_correct"][ok],
-            calibrator(served["certainty"][ok]),
+            calibrator(served["kernel_values"][ok]),
             rtol=1e-5,
             atol=1e-6,
         )

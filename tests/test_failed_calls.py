@@ -146,6 +146,38 @@ def test_bad_label_values(model, label, index, method):
     _assert_rejected_unchanged(model, _methods(model, x, y)[method], "label value")
 
 
+def _soft_rows(row):
+    """One-hot rows that are not exactly one 1 and zeros."""
+    return st.one_of(
+        # Soft or smoothed: a distribution over the classes.
+        st.floats(0.05, 0.95).map(lambda p: [p, 1 - p, 0.0]),
+        st.floats(0.01, 0.3).map(lambda e: [1 - e, e / 2, e / 2]),
+        st.just([1.0, 1.0, 0.0]),  # two classes
+        st.just([0.0, 0.0, 0.0]),  # none
+        st.just([2.0, -1.0, 0.0]),  # sums to 1, not binary
+        st.just([float("nan"), 1.0, 0.0]),
+    )
+
+
+@SETTINGS
+@given(
+    row=_soft_rows(None),
+    index=st.integers(0, 31),
+    method=st.sampled_from(["fit", "evaluate", "train_on_batch"]),
+)
+def test_soft_or_bad_one_hot_rows(model, row, index, method):
+    x, y = _good(32)
+    one_hot = np.eye(CLASSES, dtype="float32")[y]
+    one_hot[index] = row
+    CASES["one-hot row"] += 1
+    before = state(model, optimizer=True)
+    expected = "NaN or infinite" if np.isnan(row).any() else "exactly one 1"
+    with pytest.raises(ValueError, match=expected) as raised:
+        _methods(model, x, one_hot)[method]()
+    assert f"[{index}]" in str(raised.value) or method == "train_on_batch"
+    assert_state_equal(model, before, optimizer=True)
+
+
 @SETTINGS
 @given(
     width=st.integers(2, 8).filter(lambda w: w != CLASSES),
@@ -297,3 +329,73 @@ def test_fit_killed_mid_epoch_resumes_with_backup_and_restore(tmp_path, backend)
     assert int(actual["iterations"]) == int(expected["iterations"]) == 18
     for name in expected.files:
         np.testing.assert_allclose(actual[name], expected[name], rtol=1e-5, atol=1e-6)
+
+
+@SETTINGS
+@given(
+    key=st.one_of(
+        st.integers(CLASSES, 100), st.integers(-100, -1), st.just("cat"), st.just(1.5)
+    ),
+    method=st.sampled_from(["fit", "bad weight"]),
+)
+def test_class_weight_names_a_class_that_exists(model, key, method):
+    x, y = _good(32)
+    class_weight = {key: 2.0} if method == "fit" else {0: float("nan")}
+    CASES["class_weight"] += 1
+    before = state(model, optimizer=True)
+    expected = "names class" if method == "fit" else "finite number"
+    with pytest.raises(ValueError, match=expected):
+        model.fit(x, y, class_weight=class_weight, verbose=0)
+    assert_state_equal(model, before, optimizer=True)
+
+
+@SETTINGS
+@given(
+    form=st.sampled_from(["list", "str_", "bytes", "object"]),
+    method=st.sampled_from(["fit", "evaluate", "predict"]),
+)
+def test_text_where_numbers_are_expected_names_the_fix(model, form, method):
+    texts = [f"query number {i}" for i in range(8)]
+    x = {
+        "list": texts,
+        "str_": np.array(texts),
+        "bytes": np.array([t.encode() for t in texts]),
+        "object": np.array(texts, dtype=object),
+    }[form]
+    y = np.arange(8) % CLASSES
+    calls = {
+        "fit": lambda: model.fit(x, y, verbose=0),
+        "evaluate": lambda: model.evaluate(x, y, verbose=0),
+        "predict": lambda: model.predict(x, verbose=0),
+    }
+    CASES["text input"] += 1
+    before = state(model, optimizer=True)
+    with pytest.raises(ValueError, match="TextVectorization"):
+        calls[method]()
+    assert_state_equal(model, before, optimizer=True)
+
+
+def test_labels_as_python_lists_train_like_arrays(model):
+    x, y = _good(32)
+    before = state(model, optimizer=True)
+    array_logs = model.evaluate(x, y, verbose=0, return_dict=True)
+    list_logs = model.evaluate(x, y.tolist(), verbose=0, return_dict=True)
+    assert list_logs["loss"] == pytest.approx(array_logs["loss"], rel=1e-6)
+    assert_state_equal(model, before, optimizer=True)
+    with pytest.raises(ValueError, match=r"class indices in \[0, 3\)") as raised:
+        model.fit(x, [7] * 32, verbose=0)
+    assert len(str(raised.value)) < 600  # names the label, not all of `x`
+
+
+@pytest.mark.parametrize("shape", [(8, 5), (8, 4, 1), (4,)])
+def test_dataset_of_the_wrong_input_shape_is_rejected_before_a_step(model, shape):
+    tf = pytest.importorskip("tensorflow")
+    x = np.zeros((32, *shape[1:]) if len(shape) > 1 else (32,), "float32")
+    dataset = tf.data.Dataset.from_tensor_slices((x, np.zeros(32, "int64")))
+    if len(shape) > 1:
+        dataset = dataset.batch(8)
+    CASES["dataset spec"] += 1
+    before = state(model, optimizer=True)
+    with pytest.raises(ValueError, match="do not match the model's"):
+        model.fit(dataset, verbose=0)
+    assert_state_equal(model, before, optimizer=True)

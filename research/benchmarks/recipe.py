@@ -103,14 +103,23 @@ import json
 import os
 import platform
 import time
+import warnings
 
 import keras
 import numpy as np
 
 import keras_duq
 from keras_duq import evaluation
+from research.benchmarks import mistakes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+SHARED = os.path.join(HERE, "..", "..", "..", "shared", "data")
+# Where the text sets are when their variables are unset: the shared copies.
+SHARED_DEFAULTS = {
+    "HWU64_DIR": os.path.join(SHARED, "hwu64"),
+    "BANKING77_DIR": os.path.join(SHARED, "banking77"),
+    "AG_NEWS_CSV": os.path.join(SHARED, "ag_news", "test.csv"),
+}
 CLINC150 = os.path.join(
     HERE, "..", "..", "..", "shared", "data", "clinc150", "data_full.json"
 )
@@ -163,8 +172,8 @@ def clinc150(seed):
 
 def _data_path(variable, what):
     """The path in environment variable `variable`, which must hold `what`."""
-    path = os.environ.get(variable)
-    if not path:
+    path = os.environ.get(variable) or SHARED_DEFAULTS.get(variable)
+    if not path or not os.path.exists(path):
         raise ValueError(f"Set {variable} to {what} (see the module docstring).")
     return path
 
@@ -421,6 +430,9 @@ def tiny_imagenet(seed):
 # (Tiny-ImageNet-200, box-resized to 32x32).
 CIFAR10_PER_CLASS = 500
 TINY_IMAGENET_PER_CLASS = 50
+CIFAR10_CNN_PER_CLASS = 1000
+FASHION_MNIST_PER_CLASS = 1000
+MNIST_DIR = os.path.join(HERE, "..", "..", "..", "shared", "data", "mnist")
 
 
 def _held_out_classes(x, y, known, seed, epochs):
@@ -477,6 +489,83 @@ def digits_held_out(seed):
     return _held_out_classes(x, y, known=[0, 1, 2, 3, 4], seed=seed, epochs=30)
 
 
+def fashion_mnist(seed):
+    """FashionMNIST against MNIST's test digits: the README quickstart's
+    backbone and optimizer on a seeded tenth of the training images."""
+    from keras_duq import datasets
+
+    (x, y), (x_test, y_test) = keras.datasets.fashion_mnist.load_data()
+    x, y = _subset(x, y, FASHION_MNIST_PER_CLASS, seed)
+    x_ood, _ = datasets.load_mnist_test(MNIST_DIR)
+
+    def backbone():
+        return keras.Sequential(
+            [
+                keras.Input((28, 28, 1)),
+                keras.layers.Conv2D(32, 3, activation="relu"),
+                keras.layers.MaxPooling2D(),
+                keras.layers.Conv2D(64, 3, activation="relu"),
+                keras.layers.MaxPooling2D(),
+                keras.layers.Flatten(),
+                keras.layers.Dropout(0.5),
+                keras.layers.Dense(128, activation="relu"),
+            ]
+        )
+
+    return {
+        "train": (datasets.normalize(x), y.astype("int32")),
+        "test": (datasets.normalize(x_test), y_test.astype("int32")),
+        "ood": datasets.normalize(x_ood),
+        "backbone": backbone,
+        "num_classes": 10,
+        "wrap": {},
+        "optimizer": lambda method: keras.optimizers.Adam(),
+        "batch_size": 128,
+        "epochs": 3,
+    }
+
+
+def cifar10_cnn(seed):
+    """CIFAR-10 against Tiny-ImageNet's test images at 32x32 with a small
+    CNN (four convolutions, no BatchNormalization), Adam, 5 epochs on a
+    seeded fifth of the training images: a CPU budget."""
+    from research.reproduction import shared_data
+
+    train, test = shared_data.cifar10()
+    (x, y), (x_test, y_test) = _subset(*train, CIFAR10_CNN_PER_CLASS, seed), test
+    x, x_test, x_ood = _standardize(x, x_test, shared_data.tiny_imagenet_resize())
+
+    def backbone():
+        conv = functools.partial(
+            keras.layers.Conv2D, kernel_size=3, padding="same", activation="relu"
+        )
+        return keras.Sequential(
+            [
+                keras.Input((32, 32, 3)),
+                conv(32),
+                conv(32),
+                keras.layers.MaxPooling2D(),
+                conv(64),
+                conv(64),
+                keras.layers.MaxPooling2D(),
+                keras.layers.GlobalAveragePooling2D(),
+                keras.layers.Dense(128, activation="relu"),
+            ]
+        )
+
+    return {
+        "train": (x, y.astype("int32")),
+        "test": (x_test, y_test.astype("int32")),
+        "ood": x_ood,
+        "backbone": backbone,
+        "num_classes": 10,
+        "wrap": {},
+        "optimizer": lambda method: keras.optimizers.Adam(),
+        "batch_size": 128,
+        "epochs": 5,
+    }
+
+
 PROBLEMS = {
     "small_data": small_data,
     "clinc150": clinc150,
@@ -489,6 +578,8 @@ PROBLEMS = {
     "tiny_imagenet": tiny_imagenet,
     "wine": wine,
     "digits_held_out": digits_held_out,
+    "fashion_mnist": fashion_mnist,
+    "cifar10_cnn": cifar10_cnn,
 }
 
 
@@ -531,10 +622,14 @@ def build(spec, method, overrides=None, clipnorm=None):
     return model
 
 
-def run(problem, seed, method, overrides, epochs=None, clipnorm=None):
+def run(problem, seed, method, overrides, epochs=None, clipnorm=None, defaults=False):
+    """One run's record. `defaults`: `wrap(backbone, num_classes)` alone (a
+    token model's `penalty_input` kept), without the problem's own arguments."""
     keras.backend.clear_session()
     keras.utils.set_random_seed(seed)
     spec = PROBLEMS[problem](seed)
+    if defaults:
+        spec["wrap"] = {k: v for k, v in spec["wrap"].items() if k == "penalty_input"}
     if epochs is not None:
         spec["epochs"] = epochs
     x, y = spec["train"]
@@ -552,6 +647,9 @@ def run(problem, seed, method, overrides, epochs=None, clipnorm=None):
         base["clipnorm"] = clipnorm
     start = time.perf_counter()
     log = EpochLog()
+    caught = warnings.catch_warnings(record=True)
+    fired = caught.__enter__()
+    warnings.simplefilter("always", keras_duq.DUQHealthWarning)
     try:
         history = model.fit(
             x,
@@ -562,6 +660,7 @@ def run(problem, seed, method, overrides, epochs=None, clipnorm=None):
             callbacks=[log],
         )
     except Exception as error:
+        caught.__exit__(None, None, None)
         # DUQ stops training on a non-finite update: a measured outcome.
         if "non-finite" not in str(error):
             raise
@@ -574,7 +673,15 @@ def run(problem, seed, method, overrides, epochs=None, clipnorm=None):
     seconds = time.perf_counter() - start
     train_scores = model.predict(x, batch_size=1000, verbose=0)
     test_scores = model.predict(x_test, batch_size=1000, verbose=0)
+    caught.__exit__(None, None, None)
     record = {
+        "warnings": sorted(
+            {
+                type(w.message).__name__
+                for w in fired
+                if isinstance(w.message, keras_duq.DUQHealthWarning)
+            }
+        ),
         **base,
         "train_accuracy": float(np.mean(train_scores.argmax(1) == y)),
         "test_accuracy": float(np.mean(test_scores.argmax(1) == y_test)),
@@ -594,6 +701,7 @@ def run(problem, seed, method, overrides, epochs=None, clipnorm=None):
             ood_fpr_at_95_tpr=float(metrics["fpr_at_95_tpr"]),
             ood_certainty_mean=float(ood_scores.max(1).mean()),
             **_threshold_from_validation(test_scores.max(1), ood_scores.max(1), seed),
+            mistakes=mistakes.metrics(method, test_scores, y_test, ood_scores, seed),
         )
     if problem == "two_moons" and method == "duq":
         from research.reproduction import two_moons as moons
