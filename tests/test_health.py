@@ -392,6 +392,35 @@ def test_short_run_without_certainty_and_with_a_constant_penalty_warns():
     assert len(messages) == 1 and "`fit` ended after 12 training steps" in messages[0]
 
 
+def test_the_short_run_warning_names_a_fix_that_works():
+    # The issue's case: a fixed length scale far below the features' spread
+    # leaves every kernel value underflowing. The warning names
+    # `length_scale="auto"`; with it the same short run trains.
+    x, y = _data(n=64)
+    settings = {**UNDERFLOWING, "gradient_penalty": 0.5}
+    with _Recorder() as recorder:
+        _fit(_model(**settings), x, y, epochs=2)
+    (message,) = recorder.of(keras_duq.KernelUnderflowWarning)
+    assert '`length_scale` at its default, `"auto"`' in message
+    fixed = _model(**{**settings, "length_scale": "auto"})
+    with _Recorder() as recorder:
+        history = _fit(fixed, x, y, epochs=2).history
+    assert recorder.of(keras_duq.KernelUnderflowWarning) == []
+    assert history["underflow"][-1] == 0.0
+    assert np.mean(fixed.predict(x, verbose=0).max(axis=1)) > 1e-3
+
+
+def test_predicting_far_inputs_after_a_healthy_fit_does_not_warn():
+    # Out-of-distribution inputs get a certainty of 0: that is the answer,
+    # once `fit` found the in-distribution kernel values healthy.
+    model = _model()
+    x, y = _data(n=64)
+    with _Recorder() as recorder:
+        _fit(model, x, y, epochs=2)
+        model.predict(1e3 * x, verbose=0)
+    assert recorder.of(keras_duq.KernelUnderflowWarning) == []
+
+
 def test_an_untrained_model_predicts_without_warnings():
     model = _model(**UNDERFLOWING)
     x, _ = _data(n=16)

@@ -160,13 +160,14 @@ class HealthCheck(keras.callbacks.Callback):
             # Moving statistics lag behind the weights of a short training
             # most, and a low certainty is worth knowing whatever the
             # centroids' state: both are checked before the warm-up too.
-            if self.inputs is not None and (
-                batch_norm_layers(model.feature_extractor)
-                or checks.past_first_steps(model)
-            ):
+            if self.inputs is not None:
                 comparison = checks.ModeComparison(model, self.inputs, self.batch_size)
-                checks.check_batch_norm(model, comparison, "end of `fit`")
-                checks.check_low_certainty(model, comparison, "end of `fit`")
+                checks.note_in_distribution(model, comparison)
+                if batch_norm_layers(model.feature_extractor) or (
+                    checks.past_first_steps(model)
+                ):
+                    checks.check_batch_norm(model, comparison, "end of `fit`")
+                    checks.check_low_certainty(model, comparison, "end of `fit`")
         else:
             checks.check_final_state(
                 model,

@@ -101,10 +101,10 @@ def check_underflow(model, fraction, mode, where):
         advice = (
             "The embeddings are far from every centroid (compare the length "
             "scale with their distances), or the centroids are still near "
-            "their random initial values. Increase `length_scale`, pass "
-            "`bias_correction=True` (centroids from the first batches on), or "
-            "lower the centroid `momentum`. While every kernel value "
-            "underflows, the gradient penalty has no input gradient to act on."
+            "their random initial values. "
+            + _length_scale_fix(model.duq_output)
+            + "While every kernel value underflows, the gradient penalty has "
+            "no input gradient to act on."
         )
     else:
         advice = (
@@ -112,7 +112,7 @@ def check_underflow(model, fraction, mode, where):
             "high), the features differ between the modes (see "
             "`BatchNormStatisticsWarning`) or these inputs differ from the "
             "training inputs (scale, preprocessing). Otherwise the fixes for "
-            "training apply: a larger `length_scale`, `bias_correction=True`. "
+            "training apply. " + _length_scale_fix(model.duq_output) +
             "For out-of-distribution inputs, a certainty of 0 is what DUQ "
             "should give: ignore this warning then."
         )
@@ -310,9 +310,22 @@ def check_short_run(model, logs):
         "model's certainty means nothing yet, and its "
         "predictions can stay at one class. The centroids still owe "
         f"{centroid_random_share(model):.0%} of their value to their random start "
-        f"(`momentum={layer.momentum:g}`). For a short run, pass "
-        "`bias_correction=True` (centroids from the class means of the first "
-        "batches) or a lower `momentum` (e.g. 0.9), or train longer.",
+        f"(`momentum={layer.momentum:g}`). " + _length_scale_fix(layer),
+    )
+
+
+def _length_scale_fix(layer):
+    """The fix for kernel values that underflow in training, for this head."""
+    if layer.length_scale != "auto":
+        return (
+            f"The length scale is fixed at {layer.length_scale:g}: leave "
+            "`length_scale` at its default, `\"auto\"`, which measures it and the "
+            "centroids' start on the features at the start of `fit` "
+            "(docs/guide/how_it_works.md), or pass a larger one. "
+        )
+    return (
+        "Lower the centroid `momentum` (e.g. 0.9) so that the centroids follow "
+        "the features, or train longer. "
     )
 
 
@@ -329,8 +342,17 @@ def check_final_state(model, inputs, where, training=False, chunk_size=None):
         if training:
             check_underflow(model, comparison.underflow_training, "training", where)
         check_underflow(model, comparison.underflow_inference, "inference", where)
+        note_in_distribution(model, comparison)
         check_low_certainty(model, comparison, where)
     check_centroid_overlap(model, where)
+
+
+def note_in_distribution(model, comparison):
+    """Keeps whether in-distribution inputs' kernel values did not underflow
+    (`HealthState.healthy_in_distribution`, read by `check_predictions`)."""
+    state_of(model).healthy_in_distribution = (
+        comparison.underflow_inference < rules.MOST_EXAMPLES
+    )
 
 
 def check_low_certainty(model, comparison, where):
@@ -395,8 +417,14 @@ def check_predictions(model: DUQModel, kernel_values: Any) -> None:
     """
     state = state_of(model)
     # An untrained model's kernel values underflow by nature (its centroids
-    # are random): nothing to warn about yet.
-    if state.out_of_distribution or not optimizer_steps(model):
+    # are random): nothing to warn about yet. A model whose in-distribution
+    # check passed gives inputs far from its training data a certainty of 0:
+    # that is the answer asked for.
+    if (
+        state.out_of_distribution
+        or state.healthy_in_distribution
+        or not optimizer_steps(model)
+    ):
         return
     if (
         isinstance(kernel_values, np.ndarray)

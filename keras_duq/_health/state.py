@@ -20,6 +20,11 @@ class HealthState:
         centroid_start: its centroid counts at the start of its first
             `fit`, with the optimizer step then.
         out_of_distribution: > 0 while `predict` is given OoD inputs.
+        healthy_in_distribution: whether its last check on in-distribution
+            inputs (`fit`'s training sample, `evaluate`'s data) found the
+            kernel values in inference mode not underflowing; `predict`'s
+            underflow then means inputs far from the training data, which
+            is DUQ's answer, not a fault.
         epoch_seconds: the seconds its epochs have taken, over all `fit`s ...
         comparison_seconds: ... and its per-epoch mode comparisons.
     """
@@ -27,6 +32,7 @@ class HealthState:
     warned: set[str] = dataclasses.field(default_factory=set)
     centroid_start: tuple[Any, int | None] | None = None
     out_of_distribution: int = 0
+    healthy_in_distribution: bool = False
     epoch_seconds: float = 0.0
     comparison_seconds: float = 0.0
 
