@@ -748,3 +748,159 @@ def test_calibrator_rejects_bad_state(tmp_path):
     (tmp_path / "other.json").write_text('{"a": 1}')
     with pytest.raises(ValueError, match="CertaintyCalibrator.save"):
         keras_duq.evaluation.CertaintyCalibrator.load(tmp_path / "other.json")
+
+
+# ------------------------------------------- calibration from kernel values
+
+
+def _kernel_values(n, seed, classes=4):
+    """Kernel values whose mistakes come both from distance (a low largest
+    value) and from ambiguity (two close classes), and the correctness."""
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, classes, n)
+    distance = rng.uniform(0.5, 6.0, n)  # -log of the largest kernel value
+    margin = rng.exponential(1.0, n)  # log-space gap to the runner-up
+    log_k = -distance[:, None] - margin[:, None] - rng.exponential(3.0, (n, classes))
+    top = rng.integers(0, classes, n)
+    log_k[np.arange(n), top] = -distance
+    runner_up = (top + 1) % classes
+    log_k[np.arange(n), runner_up] = -distance - margin
+    # Right more often when close to a centroid and unambiguous.
+    p_right = 1 / (1 + np.exp(-(2.0 - 0.5 * distance + 2.0 * margin)))
+    correct = rng.uniform(size=n) < p_right
+    return np.exp(log_k).astype("float32"), correct, labels
+
+
+def test_calibrator_on_kernel_values_ranks_mistakes_better_than_certainty():
+    # Over 5 seeds: fitted on one half, measured on the other.
+    gains = []
+    for seed in range(5):
+        kernel_values, correct, _ = _kernel_values(4000, seed)
+        fit, test = slice(0, 2000), slice(2000, None)
+        calibrator = keras_duq.evaluation.CertaintyCalibrator().fit(
+            kernel_values[fit], correct[fit]
+        )
+        assert calibrator.takes_kernel_values
+        probability = calibrator(kernel_values[test])
+        assert probability.shape == (2000,) and probability.dtype == np.float32
+        assert 0.0 <= probability.min() <= probability.max() <= 1.0
+        certainty = kernel_values[test].max(axis=1)
+        gains.append(
+            keras_duq.evaluation.misclassification_auroc(probability, correct[test])
+            - keras_duq.evaluation.misclassification_auroc(certainty, correct[test])
+        )
+        ece = keras_duq.evaluation.expected_calibration_error(probability, correct[test])
+        assert ece < 0.05
+    assert min(gains) > 0.02, gains
+
+
+def test_calibrator_on_kernel_values_round_trips_and_runs_in_graphs(tmp_path):
+    kernel_values, correct, _ = _kernel_values(500, 0)
+    calibrator = keras_duq.evaluation.CertaintyCalibrator().fit(kernel_values, correct)
+    expected = calibrator(kernel_values)
+    calibrator.save(tmp_path / "c.json")
+    loaded = keras_duq.evaluation.CertaintyCalibrator.load(tmp_path / "c.json")
+    np.testing.assert_array_equal(loaded(kernel_values), expected)
+    config = calibrator.get_config()
+    assert config["thresholds"] is None and len(config["weights"]) == 2
+    rebuilt = keras.saving.deserialize_keras_object(
+        keras.saving.serialize_keras_object(calibrator)
+    )
+    np.testing.assert_array_equal(rebuilt(kernel_values), expected)
+    graph = tf.function(lambda k: calibrator(k))(tf.constant(kernel_values))
+    np.testing.assert_allclose(graph.numpy(), expected, rtol=1e-6, atol=1e-7)
+    # Kernel values that underflowed to 0 everywhere (far from every
+    # centroid) and ties give finite probabilities.
+    edge = np.array([[0.0, 0.0, 0.0, 0.0], [0.5, 0.5, 0.1, 0.0]], "float32")
+    assert np.isfinite(calibrator(edge)).all()
+    assert calibrator(kernel_values[:0]).shape == (0,)
+    with pytest.raises(ValueError, match="fitted on kernel values"):
+        calibrator(kernel_values.max(axis=1))
+
+
+def test_calibrator_on_kernel_values_rejects_bad_input_unchanged():
+    kernel_values, correct, _ = _kernel_values(50, 0)
+    calibrator = keras_duq.evaluation.CertaintyCalibrator(thresholds=[0.5], values=[0.7])
+    for scores, outcome, match in [
+        (kernel_values[:, :1], correct, "two classes"),
+        (np.where(np.arange(50)[:, None] == 3, np.nan, kernel_values), correct, "finite"),
+        (kernel_values, correct[:10], "shape"),
+        (kernel_values, np.ones(50, bool), "all predictions are correct"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            calibrator.fit(scores, outcome)
+        np.testing.assert_array_equal(calibrator.thresholds, [0.5])
+        assert calibrator.weights is None
+
+
+# ------------------------------------------------- conformal prediction sets
+
+
+def test_conformal_threshold_by_hand():
+    scores = np.array([[0.9, 0.1], [0.2, 0.8], [0.6, 0.4], [0.3, 0.7]])
+    labels = np.array([0, 1, 0, 0])  # true-class scores 0.9, 0.8, 0.6, 0.3
+    # floor((4 + 1) * (1 - 0.6)) = 2: the second smallest, 0.6.
+    assert keras_duq.evaluation.conformal_threshold(scores, labels, 0.6) == 0.6
+    # floor(5 * 0.1) = 0: too few examples for 90%: every class.
+    assert keras_duq.evaluation.conformal_threshold(scores, labels, 0.9) == -np.inf
+    sets = keras_duq.evaluation.prediction_sets(scores, 0.6)
+    np.testing.assert_array_equal(sets, [[1, 0], [0, 1], [1, 0], [0, 1]])
+    metrics = keras_duq.evaluation.prediction_set_metrics(sets, labels)
+    assert metrics == {"coverage": 0.75, "mean_size": 1.0, "empty": 0.0}
+
+
+@pytest.mark.parametrize("coverage", [0.9, 0.95])
+def test_conformal_sets_reach_their_coverage_over_random_splits(coverage):
+    # Split conformal guarantees coverage >= target, and at most target +
+    # 1 / (n + 1) in expectation for continuous scores: the mean over 200
+    # random splits lies in that range, up to 4 standard errors.
+    kernel_values, _, labels = _kernel_values(3000, 1, classes=5)
+    rng = np.random.default_rng(7)
+    coverages = []
+    n = 500
+    for _ in range(200):
+        order = rng.permutation(len(labels))
+        val, rest = order[:n], order[n:]
+        t = keras_duq.evaluation.conformal_threshold(
+            kernel_values[val], labels[val], coverage
+        )
+        sets = keras_duq.evaluation.prediction_sets(kernel_values[rest], t)
+        coverages.append(
+            keras_duq.evaluation.prediction_set_metrics(sets, labels[rest])["coverage"]
+        )
+    mean, error = np.mean(coverages), np.std(coverages) / np.sqrt(len(coverages))
+    assert coverage - 4 * error <= mean <= coverage + 1 / (n + 1) + 4 * error
+
+
+def test_prediction_sets_are_empty_far_from_every_centroid():
+    kernel_values, _, labels = _kernel_values(1000, 2)
+    t = keras_duq.evaluation.conformal_threshold(kernel_values, labels, 0.9)
+    far = np.full((3, 4), 1e-30, "float32")
+    assert not keras_duq.evaluation.prediction_sets(far, t).any()
+
+
+@pytest.mark.parametrize(
+    "scores, labels, coverage, match",
+    [
+        (np.ones((4, 2)), [0, 1, 0, 1], 1.0, "coverage"),
+        (np.ones((4, 2)), [0, 1, 0, 1], 0, "coverage"),
+        (np.ones(4), [0, 1, 0, 1], 0.9, "num_classes"),
+        (np.ones((4, 2)), [0, 1, 0], 0.9, "shape"),
+        (np.ones((4, 2)), [0, 1, 0, 2], 0.9, "class indices"),
+        (np.ones((4, 2)), [0.5, 1, 0, 1], 0.9, "class indices"),
+        (np.full((4, 2), np.nan), [0, 1, 0, 1], 0.9, "finite"),
+    ],
+)
+def test_conformal_threshold_rejects_bad_input(scores, labels, coverage, match):
+    with pytest.raises(ValueError, match=match):
+        keras_duq.evaluation.conformal_threshold(scores, np.asarray(labels), coverage)
+
+
+def test_risk_coverage_helpers_take_the_calibrated_probability():
+    kernel_values, correct, _ = _kernel_values(1000, 3)
+    probability = keras_duq.evaluation.CertaintyCalibrator().fit(
+        kernel_values, correct
+    )(kernel_values)
+    assert 0 <= keras_duq.evaluation.aurc(probability, correct) <= 1
+    curve = keras_duq.evaluation.risk_coverage_curve(probability, correct)
+    assert len(curve["risk"]) == len(correct)
