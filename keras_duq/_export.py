@@ -541,6 +541,29 @@ def serving_input_signature(inputs: Any, spec_type: str = "tf") -> Any:
     return spec(inputs, SINGLE_INPUT_NAME)
 
 
+# The file name each format's writer needs (OpenVINO's checks it deep in its
+# C++ code, after the whole conversion has run).
+_REQUIRED_SUFFIX = {"openvino": ".xml"}
+
+
+def check_export_path(filepath, format):
+    """Raises, before any conversion, for a path the format cannot write."""
+    path = os.fspath(filepath)
+    suffix = _REQUIRED_SUFFIX.get(format)
+    if suffix is not None and not path.endswith(suffix):
+        raise ValueError(
+            f"`format={format!r}` writes a model file ending in {suffix!r} (its "
+            f"weights go beside it). Pass a path such as 'model{suffix}'. "
+            f"Received: `filepath={path!r}`"
+        )
+    if format == "tf_saved_model" and os.path.isfile(path):
+        raise ValueError(
+            "A SavedModel is a folder, but a file exists at this path. Pass a "
+            "new folder path, or remove the file first. "
+            f"Received: `filepath={path!r}`"
+        )
+
+
 def export(
     model,
     filepath,
@@ -559,6 +582,7 @@ def export(
     check_format_precision(model, format)
     if format == "tf_saved_model":
         check_export_options(kwargs)
+    check_export_path(filepath, format)
     check_format_packages(format)
     if format == "tf_saved_model":
         export_saved_model(model, filepath, options, verbose, input_signature, **kwargs)

@@ -557,3 +557,25 @@ def test_each_format_serves_the_duq_outputs_in_its_runtime(tmp_path, format, pre
         assert np.isnan(served["probability_correct"][~ok]).all()
         if len(rows) == len(x):  # the median threshold accepts about half
             assert len(x) / 4 < served["accept"].sum() < 3 * len(x) / 4
+
+
+@pytest.mark.parametrize(
+    "format, name, match",
+    [
+        ("openvino", "model.bin", r"ending in '\.xml'"),
+        ("openvino", "model", r"ending in '\.xml'"),
+        ("tf_saved_model", "a_file", "a file exists"),
+    ],
+)
+def test_export_paths_the_format_cannot_write_fail_before_conversion(
+    tmp_path, format, name, match
+):
+    model = _model()
+    path = tmp_path / name
+    if format == "tf_saved_model":
+        path.write_text("not a SavedModel")
+    with pytest.raises(ValueError, match=match):
+        model.export(str(path), format=format)
+    assert sorted(p.name for p in tmp_path.iterdir()) == (
+        ["a_file"] if format == "tf_saved_model" else []
+    )
