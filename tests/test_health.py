@@ -812,6 +812,9 @@ def test_inputs_far_from_standardised_warn_once_at_the_start_of_fit(scale, shift
     messages = _over_two_fits(_model(), x, y, keras_duq.InputScaleWarning)
     assert len(messages) == 1
     assert "not standardised" in messages[0] and "Normalization" in messages[0]
+    # A Sequential backbone's input has Keras's automatic name: the message
+    # names the argument instead.
+    assert "keras_tensor" not in messages[0] and "`x`" in messages[0]
 
 
 def test_standardised_inputs_or_a_normalising_backbone_do_not_warn_about_scale():

@@ -454,7 +454,8 @@ def check_input_scale(model, inputs):
         for layer in _compat.all_layers(model.feature_extractor)
     ):
         return
-    for tensor, array in _declared_inputs(model, inputs):
+    declared = _declared_inputs(model, inputs)
+    for position, (tensor, array) in enumerate(declared):
         if not is_float(tensor.dtype):
             continue
         values = np.asarray(array, dtype=np.float64)
@@ -464,7 +465,11 @@ def check_input_scale(model, inputs):
             continue
         if abs(mean) <= rules.INPUT_MEAN_TOLERANCE * std and low <= std <= high:
             continue
-        name = getattr(tensor, "name", "inputs")
+        name = getattr(tensor, "name", "") or ""
+        if name.startswith("keras_tensor") or not name:
+            # Keras's automatic name (a `Sequential`'s or an unnamed
+            # `keras.Input`) means nothing to the user: name the argument.
+            name = "x" if len(declared) == 1 else f"x[{position}]"
         warn_once(
             model,
             "input_scale",
