@@ -287,3 +287,132 @@ def test_config_without_head_loads_the_per_class_head():
 def test_unknown_head_is_a_clear_error():
     with pytest.raises(ValueError, match="(?s)head.*Received: `head='low_rank'`"):
         keras_duq.DUQOutput(num_classes=3, head="low_rank")
+
+
+# ------------------------------------------------- length_scale="auto"
+
+
+def _auto_model(seed=0, features=4, classes=3):
+    keras.utils.set_random_seed(seed)
+    backbone = keras.Sequential(
+        [keras.Input((features,)), keras.layers.Dense(16, activation="relu")]
+    )
+    model = keras_duq.wrap(backbone, num_classes=classes)
+    model.compile(optimizer="adam")
+    return model
+
+
+def _numpy(value):
+    return keras.ops.convert_to_numpy(value)
+
+
+def _data(n=64, features=4, classes=3, scale=1.0, seed=0):
+    rng = np.random.default_rng(seed)
+    x = (scale * rng.normal(size=(n, features))).astype("float32")
+    return x, np.arange(n) % classes
+
+
+def test_auto_length_scale_is_half_the_features_spread_at_the_first_fit():
+    model = _auto_model()
+    head = model.duq_output
+    assert head.length_scale == "auto" and head.needs_start
+    x, y = _data()
+    embeddings = _numpy(head.embed(model.feature_extractor(x, training=False)))
+    spread = np.sqrt(embeddings.var(axis=0).mean())
+    model.fit(x, y, batch_size=64, epochs=1, verbose=0)
+    assert not head.needs_start
+    # Set before the first step, from the whole (64-example) sample.
+    np.testing.assert_allclose(_numpy(head.length_scales), 0.5 * spread, rtol=1e-5)
+    # The centroids start one spread from the features' mean, not at N(0, 1).
+    centroids = _numpy(head.centroids)
+    distance = np.sqrt(((centroids - embeddings.mean(axis=0)) ** 2).mean())
+    assert distance < 3 * spread
+    # A second `fit` keeps them: they are the model's state now.
+    before = _numpy(head.length_scales)
+    model.fit(x, y, batch_size=64, epochs=1, verbose=0)
+    np.testing.assert_array_equal(_numpy(head.length_scales), before)
+
+
+def test_auto_length_scale_follows_the_input_scale():
+    # The same model on inputs 100 times larger: the length scale, and so
+    # the starting kernel values, follow.
+    scales = []
+    for input_scale in (0.01, 1.0):
+        model = _auto_model()
+        x, y = _data(scale=input_scale)
+        model.fit(x, y, batch_size=64, epochs=1, verbose=0)
+        scales.append(float(_numpy(model.duq_output.length_scales)[0]))
+        assert model.predict(x, verbose=0).max(axis=1).mean() > 1e-3
+    assert 30 < scales[1] / scales[0] < 300
+
+
+def test_auto_length_scale_from_a_generator_keeps_every_batch():
+    model = _auto_model()
+    x, y = _data(n=64)
+
+    def batches():
+        for start in range(0, 64, 16):
+            yield x[start : start + 16], y[start : start + 16]
+
+    model.fit(batches(), epochs=1, verbose=0)
+    assert int(_numpy(model.optimizer.iterations)) == 4
+    assert not model.duq_output.needs_start
+
+
+def test_a_rejected_first_fit_leaves_the_auto_head_unstarted():
+    model = _auto_model()
+    head = model.duq_output
+    before = [_numpy(v) for v in head.start_variables]
+    x, y = _data(n=32)
+
+    def bad_stream():
+        yield x[:16], y[:16] + 10  # a label out of range, in the first batch
+
+    with pytest.raises(ValueError, match="class indices"):
+        model.fit(bad_stream(), epochs=1, verbose=0)
+    for variable, value in zip(head.start_variables, before):
+        np.testing.assert_array_equal(_numpy(variable), value)
+    assert head.needs_start
+
+
+def test_auto_length_scale_saves_and_loads_started(tmp_path):
+    model = _auto_model()
+    x, y = _data()
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    path = str(tmp_path / "auto.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    assert loaded.duq_output.length_scale == "auto"
+    assert not loaded.duq_output.needs_start
+    np.testing.assert_allclose(
+        loaded.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-5, atol=1e-7
+    )
+
+
+def test_a_fixed_length_scale_is_left_as_given():
+    keras.utils.set_random_seed(0)
+    backbone = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8)])
+    model = keras_duq.wrap(backbone, num_classes=3, length_scale=0.3)
+    model.compile(optimizer="adam")
+    x, y = _data()
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    np.testing.assert_allclose(_numpy(model.duq_output.length_scales), 0.3)
+    assert not hasattr(model.duq_output, "started")
+
+
+@pytest.mark.parametrize("value", ["automatic", True, 0, -0.1, None])
+def test_length_scale_rejects_what_is_neither_auto_nor_positive(value):
+    with pytest.raises(ValueError, match='"auto"'):
+        keras_duq.DUQOutput(3, length_scale=value)
+
+
+def test_duq_model_has_the_graph_ends_of_a_functional_model():
+    model = _auto_model()
+    assert len(model.inputs) == 1 and model.input is model.inputs[0]
+    assert model.outputs == [model.output]
+    assert tuple(model.output.shape) == (None, 3)
+    x, _ = _data(n=4)
+    rebuilt = keras.Model(model.inputs, model.outputs)
+    np.testing.assert_allclose(
+        rebuilt.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-6
+    )
