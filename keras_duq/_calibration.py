@@ -194,6 +194,10 @@ class CertaintyCalibrator:
                 "fitted one with `CertaintyCalibrator.load(path)`."
             )
         values = scores
+        if isinstance(scores, (np.ndarray, list, tuple)) and np.size(scores) == 0:
+            # No examples: TensorFlow's eager `max` refuses an empty tensor.
+            shape = np.shape(scores)
+            return np.zeros(shape[:-1] if self.takes_kernel_values else shape, "float32")
         if self.takes_kernel_values:
             shape = getattr(scores, "shape", None)
             if shape is None:
@@ -290,16 +294,13 @@ def _score_features(kernel_values):
     log_kernel = ops.maximum(
         ops.log(ops.maximum(kernel_values, 1e-38)), LOG_KERNEL_FLOOR
     )
-    # `initial`: the floor is every value's lower bound, and TensorFlow's
-    # `max` refuses an empty batch without one.
-    largest = ops.max(log_kernel, axis=-1, keepdims=True, initial=LOG_KERNEL_FLOOR)
+    largest = ops.max(log_kernel, axis=-1, keepdims=True)
     # The largest value masked to the floor: the second largest, or the
     # largest again where two classes tie (a margin of 0).
     ties = ops.sum(ops.cast(ops.greater_equal(log_kernel, largest), "int32"), axis=-1)
     second = ops.max(
         ops.where(ops.greater_equal(log_kernel, largest), LOG_KERNEL_FLOOR, log_kernel),
         axis=-1,
-        initial=LOG_KERNEL_FLOOR,
     )
     largest = ops.squeeze(largest, -1)
     second = ops.where(ops.greater(ties, 1), largest, second)
