@@ -361,7 +361,7 @@ class DUQOutput(keras.layers.Layer):
         )
         centroids = _ops.centroid_start(embeddings, scale, noise)
         self.length_scales.assign(
-            ops.full((self.num_classes,), AUTO_LENGTH_SCALE_SPREADS * scale)
+            ops.ones((self.num_classes,)) * (AUTO_LENGTH_SCALE_SPREADS * scale)
         )
         self.centroid_sums.assign(centroids * self.centroid_counts.value[None, :])
         self.started.assign(1.0)

@@ -564,7 +564,12 @@ def test_each_format_serves_the_duq_outputs_in_its_runtime(tmp_path, format, pre
     [
         ("openvino", "model.bin", r"ending in '\.xml'"),
         ("openvino", "model", r"ending in '\.xml'"),
-        ("tf_saved_model", "a_file", "a file exists"),
+        pytest.param(
+            "tf_saved_model",
+            "a_file",
+            "a file exists",
+            marks=pytest.mark.requires_backend("tensorflow", "jax"),
+        ),
     ],
 )
 def test_export_paths_the_format_cannot_write_fail_before_conversion(
