@@ -25,6 +25,7 @@ import keras
 import numpy as np
 
 import keras_duq
+from research.benchmarks import recipe
 from research.benchmarks import speed
 
 
@@ -33,20 +34,6 @@ def _mlp():
         [
             keras.Input((16,)),
             keras.layers.Dense(128, activation="relu"),
-            keras.layers.Dense(128, activation="relu"),
-        ]
-    )
-
-
-def _cnn():
-    return keras.Sequential(
-        [
-            keras.Input((28, 28, 1)),
-            keras.layers.Conv2D(32, 3, activation="relu"),
-            keras.layers.MaxPooling2D(),
-            keras.layers.Conv2D(64, 3, activation="relu"),
-            keras.layers.MaxPooling2D(),
-            keras.layers.Flatten(),
             keras.layers.Dense(128, activation="relu"),
         ]
     )
@@ -65,7 +52,14 @@ def _text():
 
 NETWORKS = {
     "mlp_26_classes": (_mlp, (16,), "float32", 26, 32, {}),
-    "fashion_mnist_cnn": (_cnn, (28, 28, 1), "float32", 10, 128, {}),
+    "fashion_mnist_cnn": (
+        lambda: recipe.quickstart_cnn(dropout=0.0),
+        (28, 28, 1),
+        "float32",
+        10,
+        128,
+        {},
+    ),
     "clinc150_text": (_text, (32,), "int32", 150, 64, {"penalty_input": "embedding"}),
 }
 

@@ -489,6 +489,20 @@ def digits_held_out(seed):
     return _held_out_classes(x, y, known=[0, 1, 2, 3, 4], seed=seed, epochs=30)
 
 
+def quickstart_cnn(dropout=0.5):
+    """The README quickstart's backbone: keras.io's MNIST convnet, `Dropout`,
+    `Dense(128)`."""
+    from research.benchmarks.own_model_defaults import _keras_io_layers
+
+    return keras.Sequential(
+        [
+            *_keras_io_layers(),
+            keras.layers.Dropout(dropout),
+            keras.layers.Dense(128, activation="relu"),
+        ]
+    )
+
+
 def fashion_mnist(seed):
     """FashionMNIST against MNIST's test digits: the README quickstart's
     backbone and optimizer on a seeded tenth of the training images."""
@@ -498,25 +512,11 @@ def fashion_mnist(seed):
     x, y = _subset(x, y, FASHION_MNIST_PER_CLASS, seed)
     x_ood, _ = datasets.load_mnist_test(MNIST_DIR)
 
-    def backbone():
-        return keras.Sequential(
-            [
-                keras.Input((28, 28, 1)),
-                keras.layers.Conv2D(32, 3, activation="relu"),
-                keras.layers.MaxPooling2D(),
-                keras.layers.Conv2D(64, 3, activation="relu"),
-                keras.layers.MaxPooling2D(),
-                keras.layers.Flatten(),
-                keras.layers.Dropout(0.5),
-                keras.layers.Dense(128, activation="relu"),
-            ]
-        )
-
     return {
         "train": (datasets.normalize(x), y.astype("int32")),
         "test": (datasets.normalize(x_test), y_test.astype("int32")),
         "ood": datasets.normalize(x_ood),
-        "backbone": backbone,
+        "backbone": quickstart_cnn,
         "num_classes": 10,
         "wrap": {},
         "optimizer": lambda method: keras.optimizers.Adam(),
