@@ -209,13 +209,10 @@ def _check_dataset_spec(method, specs, data):
     for path, spec, value in _paired_inputs(specs, element):
         if spec is None or not isinstance(value, tf.TensorSpec):
             continue
-        expected, received = tuple(spec.shape), tuple(value.shape)
         if value.shape.rank is None:
             continue
-        if len(expected) != len(received) or any(
-            e is not None and r is not None and e != r
-            for e, r in zip(expected[1:], received[1:])
-        ):
+        expected, received = tuple(spec.shape), tuple(value.shape)
+        if not _compatible(expected, received):
             raise ValueError(
                 f"The dataset's inputs do not match the model's: expected "
                 f"`x{path}` batches of shape {expected} (the batch axis first), "
@@ -223,6 +220,14 @@ def _check_dataset_spec(method, specs, data):
                 "dataset (`dataset.batch(32)`) or reshape its inputs in a "
                 f"`dataset.map`. Received: the dataset passed to `{method}`"
             )
+
+
+def _compatible(expected, received):
+    """Whether inputs of shape `received` fit a declared `expected` (batch axis
+    first; `None` on either side, an unknown size, matches any)."""
+    return len(expected) == len(received) and all(
+        e is None or r is None or e == r for e, r in zip(expected[1:], received[1:])
+    )
 
 
 def _check_dataset_not_empty(method, name, data):
@@ -262,10 +267,7 @@ def _as_array(value):
 def _check_shape(where, spec, array):
     expected = tuple(spec.shape)
     received = array.shape
-    compatible = len(expected) == len(received) and all(
-        e is None or e == r for e, r in zip(expected[1:], received[1:])
-    )
-    if compatible:
+    if _compatible(expected, received):
         return
     hint = ""
     if len(received) == len(expected) - 1:
