@@ -348,6 +348,14 @@ class DUQOutput(keras.layers.Layer):
         moving averages move them as before. A layer with a fixed
         `length_scale` is left as it is.
 
+        Example:
+
+        ```python
+        head = model.duq_output
+        if head.needs_start:  # a custom training loop, before its first step
+            head.start_from_features(model.feature_extractor(x_train[:512]))
+        ```
+
         Args:
             features: `(batch, features)` backbone output on training
                 inputs, in inference mode; at least two examples.

@@ -613,6 +613,13 @@ def conformal_threshold(
 def prediction_sets(scores: ArrayLike, threshold: float) -> np.ndarray:
     """The classes whose score reaches `threshold`, per example.
 
+    Example:
+
+    ```python
+    sets = keras_duq.evaluation.prediction_sets(model.predict(x_test), t)
+    abstained = ~sets.any(axis=1)     # far from every centroid
+    ```
+
     Args:
         scores: array-like `(num_examples, num_classes)`, per-class scores as
             passed to `conformal_threshold`.
@@ -633,6 +640,13 @@ def prediction_sets(scores: ArrayLike, threshold: float) -> np.ndarray:
 
 def prediction_set_metrics(sets: ArrayLike, labels: ArrayLike) -> dict[str, float]:
     """Coverage and size of prediction sets.
+
+    Example:
+
+    ```python
+    keras_duq.evaluation.prediction_set_metrics(sets, y_test)
+    # {"coverage": 0.91, "mean_size": 1.2, "empty": 0.0}
+    ```
 
     Args:
         sets: bool array `(num_examples, num_classes)` from `prediction_sets`.
