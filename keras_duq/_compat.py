@@ -31,9 +31,9 @@ behaviour degrades with one warning instead of failing.
    steps' time.
 5. `all_layers(layer)`: every layer nested in `layer`, also inside a user's
    own `Layer` subclasses, which the public `Model.layers` does not list
-   (`Layer._flatten_layers`). Degrades to: walking `.layers` only, so the
-   finiteness guard would not restore a `SpectralNormalization` kernel
-   inside a custom layer.
+   (`Layer._flatten_layers`). Degrades to: walking `.layers` only, so a
+   training step would not keep the normalised kernel that a
+   `SpectralNormalization` inside a custom layer writes.
 6. `portable_config(config)`: on PyTorch, Keras's optimizers are classes of
    its private torch backend, and a `.keras` file names them by their
    module there; loading the file on TensorFlow or JAX would import PyTorch
@@ -209,7 +209,7 @@ def all_layers(layer):
         "layers",
         "keras_duq could not find Keras's `Layer._flatten_layers`; layers "
         "nested inside custom layers are not searched for "
-        "SpectralNormalization when a bad batch is rolled back.",
+        "SpectralNormalization, whose normalised kernels a training step keeps.",
     )
     found = [layer]
     for child in getattr(layer, "layers", ()):

@@ -67,9 +67,10 @@ class DUQOutput(keras.layers.Layer):
 
     The centroids are not trained by gradient descent. Like the moving
     statistics of `BatchNormalization`, they are non-trainable state that is
-    updated once per training step by `DUQModel.train_step` (through
-    `update_centroids`), after the optimizer step, from the features of the
-    current batch computed in inference mode:
+    updated once per training step by `DUQModel.train_step`, from the
+    features of the current batch computed in inference mode with the
+    weights the step's gradients were taken at, and assigned with the
+    optimizer step, after the step's checks:
 
     - `N_c = momentum * N_c + (1 - momentum) * (number of class-c examples)`
     - `m_c = momentum * m_c + (1 - momentum) * sum(W_c f(x) for class-c x)`
@@ -440,7 +441,7 @@ class DUQOutput(keras.layers.Layer):
 
         Args:
             features: `(batch, features)` backbone output, computed in
-                inference mode after the optimizer step.
+                inference mode.
             labels_one_hot: `(batch, num_classes)` one-hot labels.
 
         Returns:
@@ -451,11 +452,21 @@ class DUQOutput(keras.layers.Layer):
         counts, sums, finite = self._next_centroid_state(features, labels_one_hot)
         # A select, not a Python `if`: the same code runs eagerly and inside
         # a compiled TensorFlow step.
-        self.centroid_counts.assign(
-            ops.where(finite, counts, self.centroid_counts.value)
+        self._assign_centroid_state(
+            ops.where(finite, counts, self.centroid_counts.value),
+            ops.where(finite, sums, self.centroid_sums.value),
         )
-        self.centroid_sums.assign(ops.where(finite, sums, self.centroid_sums.value))
         return finite
+
+    def _assign_centroid_state(self, counts: Tensor, sums: Tensor) -> None:
+        """Assigns the centroid state (a training step's commit).
+
+        Args:
+            counts: `(num_classes,)` new `centroid_counts`.
+            sums: the new `centroid_sums`, of their shape.
+        """
+        self.centroid_counts.assign(counts)
+        self.centroid_sums.assign(sums)
 
     def _next_centroid_state(
         self, features: Tensor, labels_one_hot: Tensor

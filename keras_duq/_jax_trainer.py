@@ -11,8 +11,8 @@ training step:
    `lambda` * penalty + coupled L2 weight decay) through it: double backprop
    by nested differentiation, exact through BatchNormalization (JAX
    differentiates `jnp.var` exactly).
-2. Optimizer step (`optimizer.stateless_apply`), then the centroid update
-   from features recomputed in inference mode with the new weights. Under
+2. Optimizer step (`optimizer.stateless_apply`) and the centroid update
+   from features recomputed in inference mode with the step's weights. Under
    `keras.distribution.DataParallel` the batch is one global, sharded array,
    so the centroid sums are over the global batch: no explicit all-reduce.
 3. Checks. Values cannot be asserted inside a jitted function, so the step
@@ -158,7 +158,7 @@ class JAXTrainer(_trainer.Trainer):
                 code, jnp.where(finite, 0, _errors.NON_FINITE_STEP)
             )
         new_non_trainable, centroids_finite = self._update_centroids(
-            new_trainable, new_non_trainable, x, labels_one_hot
+            (trainable, non_trainable), new_non_trainable, x, labels_one_hot
         )
         code = _trainer.first_error(
             code,
@@ -313,20 +313,18 @@ class JAXTrainer(_trainer.Trainer):
         ):
             return jnp.asarray(self.optimizer.scale_loss(1.0), "float32")
 
-    def _update_centroids(self, trainable, non_trainable, x, labels_one_hot):
-        """Non-trainable values with the centroid update, and whether it is finite."""
+    def _update_centroids(self, variables, non_trainable, x, labels_one_hot):
+        """`non_trainable` with the centroid update, and whether it is finite.
+
+        The update is computed at the step's `(trainable, non_trainable)`
+        `variables`, the values the gradients were taken at.
+        """
         layer = self.duq_output
-        mapping = self._variable_mapping(trainable, non_trainable)
-        with keras.StatelessScope(state_mapping=mapping):
-            features = self.feature_extractor(x, training=False)
-            new_counts, new_sums, finite = layer._next_centroid_state(
-                features, labels_one_hot
-            )
+        with keras.StatelessScope(state_mapping=self._variable_mapping(*variables)):
+            counts, sums, finite = self._next_centroids(x, labels_one_hot)
         updated = list(non_trainable)
-        updated[_index(self.non_trainable_variables, layer.centroid_counts)] = (
-            new_counts
-        )
-        updated[_index(self.non_trainable_variables, layer.centroid_sums)] = new_sums
+        updated[_index(self.non_trainable_variables, layer.centroid_counts)] = counts
+        updated[_index(self.non_trainable_variables, layer.centroid_sums)] = sums
         return updated, finite
 
     def _updated_metrics(self, metrics_variables, batch, values, code, penalised=None):

@@ -10,15 +10,16 @@ One training step:
    penalised (double backprop). The outer tape differentiates the objective:
    binary cross-entropy + the categorical term + `lambda` * penalty + coupled
    L2 weight decay.
-3. Guard: a step whose loss, gradients or layer state written in the
-   forward pass (BatchNorm's statistics, spectrally normalised kernels;
-   restored from a copy) are not finite is never applied. Under a
-   `LossScaleOptimizer` it is skipped and the scale lowered (a normal event
-   in float16); otherwise training stops with an error naming causes. The
-   centroid update is checked the same way before it is assigned; if it
-   fails, the optimizer step is put back too.
-4. Optimizer step, then the centroid moving-average update from features
-   recomputed in inference mode with the updated weights.
+   The forward pass runs in a `keras.StatelessScope`: the layer state it
+   writes (BatchNorm's statistics, spectrally normalised kernels) comes back
+   as values. The centroid update is computed from features recomputed in
+   inference mode, and not assigned either.
+3. Check: a step whose loss, gradients, layer writes or centroid update are
+   not finite fails its graph assertion before anything is assigned. Under
+   a `LossScaleOptimizer` a non-finite step is skipped instead and the scale
+   lowered (a normal event in float16).
+4. Commit, after the checks: layer state, optimizer step, centroids and
+   metrics. Nothing is copied and nothing is put back.
 
 With `jit_compile`, steps 2 and 4's feature computation are compiled by XLA,
 while the checks and the state updates stay in the TensorFlow graph around
@@ -162,9 +163,12 @@ class TensorFlowTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
         )
         weights = self.trainable_weights
         optimizer = self.optimizer
+        layer_state = self._layer_state()
 
-        def gradients_and_losses(x, labels_one_hot, sample_weight, with_penalty=True):
-            with tf.GradientTape() as tape:
+        def compute(x, labels_one_hot, sample_weight, with_penalty=True):
+            # Nothing here assigns a variable: the layers' writes (BatchNorm's
+            # statistics) come back as values, committed after the checks.
+            with tf.GradientTape() as tape, keras.StatelessScope() as scope:
                 total, (values, _) = self._own_objective(
                     _trainer.Batch(x, y, labels_one_hot, sample_weight),
                     training=True,
@@ -175,69 +179,54 @@ class TensorFlowTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
                 scaled = total / tf.distribute.get_strategy().num_replicas_in_sync
                 scaled = optimizer.scale_loss(scaled)
             gradients = tape.gradient(scaled, weights)
-            return gradients, values
+            writes = _trainer.written_values(scope, layer_state)
+            return gradients, values, writes, self._next_centroids(x, labels_one_hot)
 
-        # Layers write state in the forward pass (BatchNormalization's moving
-        # mean and variance), before the check can run: keep a copy, to put
-        # back if the step fails it.
-        layer_state = self._layer_state()
-        saved = [tf.identity(variable) for variable in layer_state]
         penalised = None
         if self._lazy_penalty:
             penalised = self._is_penalty_step(optimizer.iterations)
-            gradients, values = _lazy(self, gradients_and_losses, penalised, weights)(
-                x, labels_one_hot, sample_weight
-            )
+            compute = _lazy(self, compute, penalised, weights)
         else:
-            gradients, values = _maybe_xla(self, gradients_and_losses)(
-                x, labels_one_hot, sample_weight
-            )
+            compute = _maybe_xla(self, compute)
+        gradients, values, writes, centroids = compute(x, labels_one_hot, sample_weight)
         gradients = self._clipped_as_one_batch(gradients)
-        finite = _ops.all_finite(
-            gradients
-            + [values.objective]
-            + [tf.identity(variable) for variable in layer_state]
-        )
-        restored = _restore_unless(finite, layer_state, saved)
+        finite = _ops.all_finite(gradients + [values.objective] + writes)
+        code = _trainer.step_error(finite, centroids.finite)
         if self._uses_loss_scale():
-            # It skips such a step itself and lowers the loss scale.
+            # It skips a non-finite step itself and lowers the loss scale.
             applied = finite
-            checks = checks + [restored]
+            code = tf.where(finite, code, 0)
         else:
             applied = None
-            recorded = self._recorded(tf.where(finite, 0, _errors.NON_FINITE_STEP))
-            with tf.control_dependencies([restored, recorded]):
-                checks = checks + [
-                    tf.debugging.Assert(finite, [NON_FINITE_STEP_MESSAGE])
-                ]
-        rollback = None
-        if not tf.distribute.has_strategy():
-            # The centroid update is checked after the optimizer step: if it
-            # fails, the step's changes are put back. (Replicas cannot assign
-            # optimizer slots in their own context; there a failed centroid
-            # update leaves the step applied and the centroids unchanged.)
-            applied_state = weights + optimizer.variables
-            rollback = (
-                applied_state + layer_state,
-                [tf.identity(variable) for variable in applied_state] + saved,
-            )
-        # Every state change of the step (weights, optimizer slots and
-        # `iterations`, centroids) runs after the checks, so a failed check
-        # changes nothing.
+        with tf.control_dependencies([self._recorded(code)]):
+            checks = checks + [
+                tf.debugging.Assert(tf.not_equal(code, error), [message])
+                for error, message in (
+                    (_errors.NON_FINITE_STEP, NON_FINITE_STEP_MESSAGE),
+                    (_errors.NON_FINITE_CENTROIDS, NON_FINITE_CENTROID_MESSAGE),
+                )
+            ]
+        # The commit: every state change of the step (layer state, weights,
+        # optimizer slots and `iterations`, centroids, metrics) runs after
+        # the checks, so a failed check changes nothing.
         with tf.control_dependencies(checks):
-            gradients = [None if g is None else tf.identity(g) for g in gradients]
-            x, labels_one_hot = tf.nest.map_structure(tf.identity, (x, labels_one_hot))
-            optimizer.apply(gradients, weights)
-        _run_if(applied, lambda: self._update_centroids(x, labels_one_hot, rollback))
-        # A skipped step's loss may be inf (the scaled input gradient): not logged.
-        _run_if(
-            applied,
-            lambda: self._update_duq_metrics(
-                _trainer.Batch(x, y, labels_one_hot, sample_weight),
-                values,
-                penalised,
-            ),
-        )
+            committed = _run_if(applied, lambda: _assign(layer_state, writes))
+            with tf.control_dependencies([committed]):
+                gradients = [None if g is None else tf.identity(g) for g in gradients]
+                optimizer.apply(gradients, weights)
+            _run_if(
+                applied,
+                lambda: self.duq_output._assign_centroid_state(*centroids[:2]),
+            )
+            # A skipped step's loss may be inf (the scaled input gradient): not logged.
+            _run_if(
+                applied,
+                lambda: self._update_duq_metrics(
+                    _trainer.Batch(x, y, labels_one_hot, sample_weight),
+                    values,
+                    penalised,
+                ),
+            )
         return self._logs()
 
     def test_step(self, data):
@@ -341,14 +330,6 @@ class TensorFlowTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
             for g, v, s in zip(gradients, values, sparse)
         ]
 
-    def _update_centroids(self, x, labels_one_hot, rollback=None):
-        features = _maybe_xla(
-            self, lambda x: self.feature_extractor(x, training=False)
-        )(x)
-        assign_centroid_state(
-            self.duq_output, features, labels_one_hot, rollback, self._recorded
-        )
-
     def _logs(self):
         logs = self.get_metrics_result()
         if _compat.is_multi_worker(tf.distribute.get_strategy()):
@@ -359,66 +340,55 @@ class TensorFlowTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
         return logs
 
 
-def _lazy(model, gradients_and_losses, penalised, weights):
-    """`gradients_and_losses` with the penalty only where `penalised` is true.
+def _lazy(model, compute, penalised, weights):
+    """`compute` with the penalty only where `penalised` is true.
 
     Both branches of the `tf.cond` must return the same structure: a missing
-    gradient or penalty becomes zeros inside, and a gradient missing in both
-    branches is `None` again outside (the optimizer skips those weights).
+    gradient, penalty or layer write becomes zeros inside, and one missing
+    in both branches is `None` again outside (the optimizer skips such
+    weights; such layer state is not written).
     """
     missing = []
 
     def branch(with_penalty):
         def run(x, labels_one_hot, sample_weight):
-            gradients, values = gradients_and_losses(
+            gradients, values, writes, centroids = compute(
                 x, labels_one_hot, sample_weight, with_penalty
             )
-            missing.append([g is None for g in gradients])
-            gradients = [
-                tf.zeros_like(w) if g is None else tf.convert_to_tensor(g)
-                for g, w in zip(gradients, weights)
-            ]
+            missing.append([g is None for g in gradients + writes])
+            gradients = _filled(gradients, weights)
+            writes = _filled(writes, model._layer_state())
             if values.penalty is None:
                 zeros = tf.zeros(
                     tf.shape(values.log_kernel)[:1], values.objective.dtype
                 )
                 values = values._replace(penalty=zeros)
-            return gradients, values
+            return gradients, values, writes, centroids
 
         return _maybe_xla(model, run)
 
-    def step(x, labels_one_hot, sample_weight):
-        return tf.cond(
+    def run(x, labels_one_hot, sample_weight):
+        gradients, values, writes, centroids = tf.cond(
             penalised,
             lambda: branch(True)(x, labels_one_hot, sample_weight),
             lambda: branch(False)(x, labels_one_hot, sample_weight),
         )
-
-    def run(x, labels_one_hot, sample_weight):
-        gradients, *rest = step(x, labels_one_hot, sample_weight)
-        gradients = [
-            None if all(branch_missing[i] for branch_missing in missing) else g
-            for i, g in enumerate(gradients)
+        both = gradients + writes
+        both = [
+            None if all(branch_missing[i] for branch_missing in missing) else t
+            for i, t in enumerate(both)
         ]
-        return (gradients, *rest)
+        return both[: len(gradients)], values, both[len(gradients) :], centroids
 
     return run
 
 
-def assign_centroid_state(layer, features, labels_one_hot, rollback=None, record=None):
-    """A `DUQOutput`'s centroid update on one batch, checked.
-
-    The layer refuses a non-finite update (features that overflow, e.g.
-    unnormalised inputs, must not turn the centroids into Inf/NaN for good);
-    here that puts `rollback`, `(variables, values)`, back and raises, after
-    `record` (if given) has written the error code.
-    """
-    finite = layer.update_centroids(features, labels_one_hot)
-    restored = [] if rollback is None else [_restore_unless(finite, *rollback)]
-    if record is not None:
-        restored.append(record(tf.where(finite, 0, _errors.NON_FINITE_CENTROIDS)))
-    with tf.control_dependencies(restored):
-        tf.debugging.Assert(finite, [NON_FINITE_CENTROID_MESSAGE])
+def _filled(tensors, variables):
+    """`tensors` with zeros of each variable's shape in place of `None`."""
+    return [
+        tf.zeros_like(v) if t is None else tf.convert_to_tensor(t)
+        for t, v in zip(tensors, variables)
+    ]
 
 
 def _maybe_xla(model, function):
@@ -437,25 +407,25 @@ def _scaled(gradient, factor):
     return gradient * factor
 
 
-def _restore_unless(condition, variables, saved):
-    """Assigns `saved` back to `variables` unless `condition`; returns a tensor."""
-
-    def restore():
-        for variable, value in zip(variables, saved):
+def _assign(variables, values):
+    """Assigns each value that is not `None`; returns a tensor to depend on."""
+    for variable, value in zip(variables, values):
+        if value is not None:
             variable.assign(value)
-        return tf.constant(False)
-
-    return tf.cond(condition, lambda: tf.constant(True), restore)
+    return tf.constant(True)
 
 
 def _run_if(condition, function):
-    """Runs `function` (for its effects) if `condition`; always if it is `None`."""
+    """Runs `function` (for its effects) if `condition`; always if it is `None`.
+
+    Returns a tensor that later state changes can depend on.
+    """
     if condition is None:
         function()
-        return
+        return tf.constant(True)
 
     def run():
         function()
         return tf.constant(True)
 
-    tf.cond(condition, run, lambda: tf.constant(False))
+    return tf.cond(condition, run, lambda: tf.constant(False))

@@ -11,13 +11,13 @@ compiled (`torch.compile` does not differentiate twice). One training step:
    weights differentiates through it (double backprop, exact through
    BatchNormalization: PyTorch differentiates Keras's batch moments
    exactly twice).
-3. A step whose loss, gradients or layer state written in the forward pass
-   (BatchNormalization's statistics) are not finite is never applied: the
-   layer state is put back, and the step raises, or, under a
+   The forward pass runs in a `keras.StatelessScope`: the layer state it
+   writes (BatchNormalization's statistics) comes back as values. The
+   centroid update is computed from features recomputed in inference mode.
+3. Check: a step whose loss, gradients, layer writes or centroid update are
+   not finite raises before anything is assigned, or, under a
    `LossScaleOptimizer`, is skipped with a lower scale.
-4. Optimizer step, then the centroid update from features recomputed in
-   inference mode with the new weights. An update that is not finite puts
-   the weights and optimizer state back and raises.
+4. Commit: layer state, optimizer step, centroids and metrics.
 """
 
 from __future__ import annotations
@@ -75,34 +75,39 @@ class TorchTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
         if self._lazy_penalty:
             penalised = bool(self._is_penalty_step(self.optimizer.iterations))
         layer_state = self._layer_state()
-        saved = _copies(layer_state)
         scale = self._input_gradient_scale()
-        with torch.enable_grad():
+        # Compute: nothing here assigns a variable; the layers' writes
+        # (BatchNorm's statistics) come back as values.
+        with torch.enable_grad(), keras.StatelessScope() as scope:
             total, (step_values, _) = self._own_objective(
                 batch, training=True, weights=values, with_penalty=penalised
             )
             gradients = torch.autograd.grad(
                 self.optimizer.scale_loss(total), values, allow_unused=True
             )
+        writes = [
+            None if value is None else value.detach()
+            for value in _trainer.written_values(scope, layer_state)
+        ]
         gradients = self._clipped(gradients, scale)
-        finite = _all_finite(gradients + [total] + [v.value for v in layer_state])
-        if not finite:
-            _assign(layer_state, saved)
-            if not self._uses_loss_scale():
-                self._raise(_errors.NON_FINITE_STEP)
-            # It skips such a step itself and lowers the loss scale; the
-            # centroids and metrics stay as they are.
+        with torch.no_grad():
+            centroids = self._next_centroids(x, labels_one_hot)
+        # Check.
+        finite = _all_finite(gradients + [total] + writes)
+        if not finite and self._uses_loss_scale():
+            # It skips such a step itself and lowers the loss scale; nothing
+            # else of the step is assigned.
             with torch.no_grad():
                 self.optimizer.apply(gradients, weights)
             return self.get_metrics_result()
-        optimizer_state = list(self.optimizer.variables)
-        before = _copies(weights + optimizer_state)
+        self._raise(int(_trainer.step_error(finite, centroids.finite)))
+        # Commit.
         with torch.no_grad():
+            for variable, value in zip(layer_state, writes):
+                if value is not None:
+                    variable.assign(value)
             self.optimizer.apply(gradients, weights)
-            features = self.feature_extractor(x, training=False)
-            if not bool(self.duq_output.update_centroids(features, labels_one_hot)):
-                _assign(weights + optimizer_state + layer_state, before + saved)
-                self._raise(_errors.NON_FINITE_CENTROIDS)
+            self.duq_output._assign_centroid_state(centroids.counts, centroids.sums)
             self._update_duq_metrics(batch, _detached(step_values))
         return self.get_metrics_result()
 
@@ -146,15 +151,6 @@ def _all_finite(tensors):
         if t is not None and t.is_floating_point()
     ]
     return bool(torch.stack(checks).all()) if checks else True
-
-
-def _copies(variables):
-    return [variable.value.detach().clone() for variable in variables]
-
-
-def _assign(variables, values):
-    for variable, value in zip(variables, values):
-        variable.assign(value)
 
 
 def _detached(values):

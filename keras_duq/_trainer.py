@@ -10,9 +10,10 @@ Every backend's step is the same computation, written once here:
   penalty's input gradient (`InputGradients`: `GradientTape`, `jax.grad`,
   `torch.autograd`).
 
-The centroid update is the layer's (`DUQOutput.update_centroids`, which
-refuses a non-finite update and says so); each trainer decides what a
-refused update means: the step is put back and the error raised.
+Each step is computed, checked, then committed: the gradients, the layers'
+writes in the forward pass (collected in a `keras.StatelessScope`) and the
+centroid update (`Trainer._next_centroids`) are values until every check has
+passed, so a rejected batch needs no copy and nothing is put back.
 
 Each backend's part is a class (`TensorFlowTrainer`, `JAXTrainer`,
 `TorchTrainer`), chosen once when `keras_duq` is imported and mixed into
@@ -41,7 +42,9 @@ from keras_duq import _compat
 from keras_duq import _health
 from keras_duq import _ops
 from keras_duq import _penalty_input
+from keras_duq._errors import NON_FINITE_CENTROIDS
 from keras_duq._errors import NON_FINITE_INPUT
+from keras_duq._errors import NON_FINITE_STEP
 from keras_duq._errors import DUQBatchError
 from keras_duq._errors import is_one_hot
 from keras_duq._errors import label_codes
@@ -299,6 +302,36 @@ def nan_for_non_finite_inputs(inputs, values):
     return nan_where_not_finite(finite_rows(inputs), values)
 
 
+def written_values(scope, variables):
+    """The value each of `variables` was given inside `scope` (a
+    `keras.StatelessScope` without a mapping), or `None` where none was."""
+    return [scope.get_current_value(variable) for variable in variables]
+
+
+def step_error(finite, centroids_finite):
+    """The error code of a step's computed values (int32, 0: none).
+
+    `finite`: whether the loss, gradients and layer writes are finite;
+    `centroids_finite`: whether the centroid update is.
+    """
+    return ops.cast(
+        ops.where(
+            finite,
+            ops.where(centroids_finite, 0, NON_FINITE_CENTROIDS),
+            NON_FINITE_STEP,
+        ),
+        "int32",
+    )
+
+
+class Centroids(NamedTuple):
+    """A step's centroid update, computed and not yet assigned."""
+
+    counts: Any
+    sums: Any
+    finite: Any
+
+
 class Batch(NamedTuple):
     """One checked batch of a step: inputs, labels as given and one-hot, weights."""
 
@@ -530,6 +563,18 @@ class Trainer:
             self.trainable_weights if weights is None else weights,
             self._objective_settings(training, with_penalty),
             self._input_gradient_scale() if training else None,
+        )
+
+    def _next_centroids(self, x, labels_one_hot):
+        """The step's `Centroids` update, from inference-mode features.
+
+        The features are those of the weights the step's gradients were
+        taken at, so that the whole step is computed and checked before any
+        of it is assigned.
+        """
+        features = self.feature_extractor(x, training=False)
+        return Centroids(
+            *self.duq_output._next_centroid_state(features, labels_one_hot)
         )
 
     def _layer_state(self):

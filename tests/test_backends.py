@@ -106,7 +106,7 @@ class _OverflowsInInference(keras.layers.Layer):
         return x if training else x * keras.ops.exp(keras.ops.abs(x))
 
 
-def test_failed_centroid_update_puts_the_step_back():
+def test_failed_centroid_update_applies_nothing_of_the_step():
     keras.utils.set_random_seed(0)
     inputs = keras.Input((4,))
     x = _OverflowsInInference()(keras.layers.Dense(8)(inputs))

@@ -143,20 +143,26 @@ def test_class_weight_equals_the_matching_sample_weight():
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-7)
 
 
-def test_centroids_update_once_after_the_step_in_inference_mode():
+def test_centroids_update_once_in_inference_mode_at_the_steps_weights():
     # BatchNorm makes training-mode and inference-mode features differ, so
-    # this catches an update from the training pass or from stale weights.
+    # this catches an update from the training pass or from other weights
+    # than those the step's gradients were taken at.
     model = _compiled(batch_norm=True)
     x, y = _data()
     head = model.duq_output
     counts = head.centroid_counts.numpy().copy()
     sums = head.centroid_sums.numpy().copy()
-    model.train_on_batch(x, y)
     features = keras.ops.convert_to_numpy(model.feature_extractor(x, training=False))
     embedded = np.einsum(
         "bf,fdc->bdc",
         features,
         keras.ops.convert_to_numpy(head.projection).reshape(8, 6, 3),
+    )
+    weights_before = [w.numpy().copy() for w in model.trainable_weights]
+    model.train_on_batch(x, y)
+    assert any(
+        not np.array_equal(a, b.numpy())
+        for a, b in zip(weights_before, model.trainable_weights)
     )
     one_hot = np.eye(3)[y]
     np.testing.assert_allclose(
