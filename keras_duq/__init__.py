@@ -14,6 +14,8 @@ The core:
 - `DUQModel`: the model with the DUQ training step (loss, gradient penalty by
   double backprop, coupled weight decay, centroid update).
 - `DUQBatchError`: what a rejected batch or training step raises.
+- `load_model(path)`: `keras.models.load_model` with clear errors for a
+  missing, truncated or damaged `.keras` file.
 - `DUQHealthWarning` and its subclasses: what `fit`, `evaluate` and
   `predict` warn about when DUQ fails quietly; and
   `recompute_batch_norm_statistics(model, x)`, the fix for unsettled
@@ -63,6 +65,7 @@ from keras_duq._health import InputScaleWarning
 from keras_duq._health import KernelUnderflowWarning
 from keras_duq._health import LowCertaintyWarning
 from keras_duq._health import PaddingWarning
+from keras_duq._saved_configs import load_model
 from keras_duq._spectral_normalization import SpectralNormalization
 from keras_duq._spectral_normalization import spectral_normalize
 from keras_duq._wrap import PAPER_SETTINGS
@@ -85,6 +88,7 @@ __all__ = [
     "PaddingWarning",
     "PAPER_SETTINGS",
     "SpectralNormalization",
+    "load_model",
     "recompute_batch_norm_statistics",
     "spectral_normalize",
     "wrap",

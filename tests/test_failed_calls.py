@@ -291,14 +291,6 @@ def test_keras_error_in_a_stream_leaves_the_model_usable(model):
     assert model.predict(x[:4], verbose=0).shape == (4, CLASSES)
 
 
-def test_print_number_of_cases(capsys):
-    """Prints how many bad-input cases this run tried (runs last in the file)."""
-    with capsys.disabled():
-        total = sum(CASES.values())
-        print(f"\nfailed-call cases tried: {total} ({dict(CASES)})")
-    assert total > 0
-
-
 @pytest.mark.slow
 @pytest.mark.requires_backend("tensorflow")
 @pytest.mark.parametrize("backend", ["tensorflow", "jax", "torch"])
@@ -399,3 +391,65 @@ def test_dataset_of_the_wrong_input_shape_is_rejected_before_a_step(model, shape
     with pytest.raises(ValueError, match="do not match the model's"):
         model.fit(dataset, verbose=0)
     assert_state_equal(model, before, optimizer=True)
+
+
+@pytest.fixture(scope="module")
+def saved_file(model, tmp_path_factory):
+    """A saved model's bytes, and its predictions on `_good(4, seed=2)`."""
+    path = tmp_path_factory.mktemp("saved") / "model.keras"
+    model.save(path)
+    x, _ = _good(4, seed=2)
+    return path.read_bytes(), model.predict(x, verbose=0)
+
+
+@settings(SETTINGS, max_examples=100)
+@given(
+    damage=st.sampled_from(["truncated", "corrupted"]),
+    where=st.floats(0.0, 1.0, exclude_max=True),
+)
+def test_damaged_keras_files_are_named_as_damaged(saved_file, tmp_path, damage, where):
+    CASES["damaged_file"] += 1
+    data, predictions = saved_file
+    data = bytearray(data)
+    position = int(where * len(data))
+    if damage == "truncated":
+        data = data[:position]
+    else:
+        # Flip a run of bytes: inside a stored part, or in the zip's own records.
+        end = min(len(data), position + 16)
+        data[position:end] = bytes(b ^ 0xFF for b in data[position:end])
+    path = tmp_path / f"{damage}_{position}.keras"
+    path.write_bytes(bytes(data))
+    try:
+        loaded = keras_duq.load_model(path)
+    except ValueError as error:
+        message = str(error)
+        assert "filepath=" in message and "Save the model again" in message, message
+        return
+    # Bytes the archive does not check (a timestamp, a file attribute): the
+    # file must then load as the model it holds.
+    x, _ = _good(4, seed=2)
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), predictions, atol=1e-6)
+
+
+def test_missing_keras_file_names_the_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="model.save"):
+        keras_duq.load_model(tmp_path / "missing.keras")
+
+
+def test_load_model_loads_a_whole_file(model, tmp_path):
+    path = tmp_path / "model.keras"
+    model.save(path)
+    loaded = keras_duq.load_model(path)
+    x, _ = _good(8, seed=2)
+    np.testing.assert_allclose(
+        loaded.predict(x, verbose=0), model.predict(x, verbose=0), atol=1e-6
+    )
+
+
+def test_print_number_of_cases(capsys):
+    """Prints how many bad-input cases this run tried (runs last in the file)."""
+    with capsys.disabled():
+        total = sum(CASES.values())
+        print(f"\nfailed-call cases tried: {total} ({dict(CASES)})")
+    assert total > 0
