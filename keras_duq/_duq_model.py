@@ -84,6 +84,28 @@ def default_categorical_cross_entropy_weight(feature_extractor: keras.Layer) -> 
     return DEFAULT_CATEGORICAL_CROSS_ENTROPY_WEIGHT * (1.0 + 2.0 * relative_variance)
 
 
+def _documented(keras_method, added):
+    """`functools.wraps(keras_method)`, with `added` (what DUQModel adds)
+    before Keras's own docstring."""
+
+    def decorate(function):
+        function = functools.wraps(keras_method)(function)
+        # Keras documents the method on its backend-neutral trainer; each
+        # backend's override has no docstring of its own.
+        docs = (
+            vars(cls)[keras_method.__name__].__doc__
+            for cls in keras.Model.__mro__
+            if keras_method.__name__ in vars(cls)
+        )
+        keras_doc = inspect.cleandoc(next((d for d in docs if d), ""))
+        function.__doc__ = (
+            inspect.cleandoc(added) + "\n\nKeras's documentation:\n\n" + keras_doc
+        )
+        return function
+
+    return decorate
+
+
 @keras.saving.register_keras_serializable(package="keras_duq")
 class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
     """A classifier trained with Deterministic Uncertainty Quantification.
@@ -403,20 +425,38 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
         return logs
 
     def compile(
-        self, optimizer: Any = "rmsprop", loss: Any = None, *args: Any, **kwargs: Any
+        self,
+        optimizer: Any = "rmsprop",
+        loss: Any = None,
+        loss_weights: Any = None,
+        metrics: Any = None,
+        weighted_metrics: Any = None,
+        run_eagerly: bool = False,
+        steps_per_execution: int = 1,
+        jit_compile: bool | str = "auto",
+        auto_scale_loss: bool = True,
     ) -> None:
         """Configures training as `keras.Model.compile` does, without a `loss`.
 
         Args:
-            optimizer: as in `keras.Model.compile`.
+            optimizer: the optimizer, as in `keras.Model.compile` (a name or
+                a `keras.optimizers.Optimizer`). Under a `mixed_float16`
+                policy it is wrapped in a `LossScaleOptimizer`, as Keras does.
             loss: must stay `None`: the DUQ loss (binary cross-entropy on
                 the kernel values plus the gradient penalty) is built in,
                 and any other value raises a `ValueError`.
-            *args: the rest of `keras.Model.compile`'s arguments, by
-                position.
-            **kwargs: the rest of `keras.Model.compile`'s arguments, by
-                name (`metrics`, `jit_compile`, `steps_per_execution`,
-                ...). Metrics receive the kernel values as `y_pred`.
+            loss_weights: as in `keras.Model.compile` (there is one loss).
+            metrics: metrics of the kernel values: each receives
+                `(y_true, kernel_values)`, e.g. `"accuracy"`.
+            weighted_metrics: as `metrics`, weighted by `sample_weight`.
+            run_eagerly: run the steps eagerly (debugging).
+            steps_per_execution: batches per compiled call.
+            jit_compile: XLA, as in `keras.Model.compile`. On TensorFlow the
+                step's computation is compiled and its checks and state
+                updates stay around it (XLA drops assertions); on PyTorch
+                the steps always run eagerly (`torch.compile` does not
+                differentiate twice).
+            auto_scale_loss: loss scaling under `mixed_float16`.
 
         Example:
 
@@ -426,7 +466,17 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
         """
         if loss is not None:
             raise ValueError(own_loss_message(loss))
-        super().compile(optimizer, None, *args, **kwargs)
+        super().compile(
+            optimizer=optimizer,
+            loss=None,
+            loss_weights=loss_weights,
+            metrics=metrics,
+            weighted_metrics=weighted_metrics,
+            run_eagerly=run_eagerly,
+            steps_per_execution=steps_per_execution,
+            jit_compile=jit_compile,
+            auto_scale_loss=auto_scale_loss,
+        )
 
     def compile_from_config(self, config: dict[str, Any]) -> None:
         # Keras does not restore the compilation of models that override
@@ -474,7 +524,32 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
         head.start_from_features(features)
         return arguments
 
-    @functools.wraps(keras.Model.fit)
+    @_documented(
+        keras.Model.fit,
+        """Trains the model as `keras.Model.fit` does, with the DUQ step.
+
+        What `DUQModel` adds to Keras's `fit`:
+
+        - The data is checked before any step (input shapes and dtypes,
+          label values and forms, `class_weight`, a dataset's element spec);
+          bad data raises a `ValueError` that names the argument and the fix,
+          and the model is left unchanged.
+        - With `length_scale="auto"` (the default), the first `fit` sets the
+          head's length scale and centroid start from a sample of `x`
+          (`DUQOutput.start_from_features`).
+        - Each step checks its batch and its computed update before
+          assigning anything: a rejected batch raises `DUQBatchError` (a
+          `ValueError`) and changes no weight, centroid or optimizer slot; in
+          a stream, the steps before it stay applied and the error says how
+          many.
+        - With `health_checks=True` (the default) a `HealthCheck` callback
+          warns when the certainty is meaningless (underflowing kernel
+          values, a constant penalty, unsettled BatchNorm statistics, ...)
+          and names a fix.
+        - Logs `loss`, `bce`, `gradient_penalty`, `accuracy` and, with health
+          checks, `certainty` and the health metrics.
+        """,
+    )
     def fit(self, *args: Any, **kwargs: Any) -> keras.callbacks.History:
         self._unstarted = None
         args, kwargs = self._prepared_call(super().fit, "fit", args, kwargs)
@@ -504,7 +579,17 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
             raise ValueError(_data_checks.EMPTY_STREAM_MESSAGE.format(method="fit"))
         return history
 
-    @functools.wraps(keras.Model.evaluate)
+    @_documented(
+        keras.Model.evaluate,
+        """Evaluates the model as `keras.Model.evaluate` does.
+
+        What `DUQModel` adds: the data is checked first, as in `fit`; the
+        logs hold the DUQ loss (`loss`, `bce`, `gradient_penalty`),
+        `accuracy` and the compiled metrics of the kernel values; with
+        `health_checks=True` the health metrics too. A rejected batch raises
+        `DUQBatchError` and changes no state.
+        """,
+    )
     def evaluate(self, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = self._prepared_call(super().evaluate, "evaluate", args, kwargs)
         with _failed_call_guard(self), _empty_data_error("evaluate"):
@@ -515,7 +600,18 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
             )
         return results
 
-    @functools.wraps(keras.Model.predict)
+    @_documented(
+        keras.Model.predict,
+        """The kernel values `(batch, num_classes)`, each in `[0, 1]`.
+
+        What `DUQModel` adds to `keras.Model.predict`: the inputs are checked
+        first, as in `fit`; the prediction is `argmax` of the kernel values
+        and the certainty their `max` (low: likely out of distribution); a
+        row whose float inputs are not finite gets NaN; with
+        `health_checks=True` predictions on data like the training data are
+        checked for underflowing kernel values.
+        """,
+    )
     def predict(self, *args: Any, **kwargs: Any) -> np.ndarray:
         args, kwargs = self._prepared_call(super().predict, "predict", args, kwargs)
         with _failed_call_guard(self), _empty_data_error("predict"):

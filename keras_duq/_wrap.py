@@ -35,7 +35,26 @@ def wrap(
     *,
     input_shape: Sequence[int | None] | None = None,
     name: str | None = None,
-    **kwargs: Any,
+    # DUQOutput's arguments.
+    centroid_dims: int | None = None,
+    length_scale: float | str = "auto",
+    momentum: float = 0.999,
+    kernel_initializer: str | keras.initializers.Initializer = "he_normal",
+    trainable_length_scale: bool = False,
+    bias_correction: bool = False,
+    trainable_projection: bool = True,
+    projection_learning_rate: float = 0.1,
+    head: str = "auto",
+    # DUQModel's arguments.
+    gradient_penalty: float = 0.1,
+    penalty: str = "two_sided",
+    penalty_interval: int = 1,
+    weight_decay: float | None = None,
+    bce_epsilon: float = 0.0,
+    categorical_cross_entropy_weight: float | None = None,
+    clipnorm: float | None = 1.0,
+    health_checks: bool = True,
+    penalty_input: str | None = None,
 ) -> DUQModel:
     """Turns a Keras backbone into a DUQ model.
 
@@ -81,22 +100,50 @@ def wrap(
             Needed only when the backbone does not define its inputs (a
             subclassed model, or a Sequential model without `keras.Input`).
         name: optional model name.
-        **kwargs: by name, the arguments of the head, `DUQOutput`
-            (`centroid_dims`, `length_scale`, `momentum`,
-            `kernel_initializer`, `trainable_length_scale`,
-            `bias_correction`, `trainable_projection`,
-            `projection_learning_rate`, `head`), and of the model,
-            `DUQModel` (`gradient_penalty`, `penalty`, `penalty_interval`,
-            `weight_decay`, `bce_epsilon`,
-            `categorical_cross_entropy_weight`, `clipnorm`,
-            `health_checks`, `penalty_input`), with the defaults and
-            meanings documented there. `**keras_duq.PAPER_SETTINGS` gives
-            the paper's method. Any other name raises a `TypeError`.
+        centroid_dims: size of the space the kernels compare in (`None`: a rule
+            from the features' size). See `DUQOutput`.
+        length_scale: the RBF kernels' length scale; `"auto"` sets it from the
+            features at the first `fit`. See `DUQOutput`.
+        momentum: the centroids' moving-average momentum. See `DUQOutput`.
+        kernel_initializer: initializer of the per-class projections. See
+            `DUQOutput`.
+        trainable_length_scale: learn the length scale by gradient descent. See
+            `DUQOutput`.
+        bias_correction: centroids as bias-corrected averages from the first
+            step. See `DUQOutput`.
+        trainable_projection: train the projections (`False`: fixed random
+            ones). See `DUQOutput`.
+        projection_learning_rate: the projections' rate relative to the
+            optimizer's. See `DUQOutput`.
+        head: `"per_class"`, `"shared"` or `"auto"` (a rule from the sizes).
+            See `DUQOutput`.
+        gradient_penalty: weight of the gradient penalty (0: none). See
+            `DUQModel`.
+        penalty: `"two_sided"` (the paper's) or `"one_sided"`. See `DUQModel`.
+        penalty_interval: compute the penalty on every k-th step only. See
+            `DUQModel`.
+        weight_decay: coupled L2 weight decay (`None`: the paper's under SGD,
+            else 0). See `DUQModel`.
+        bce_epsilon: floor of the cross-entropy's gradient denominator. See
+            `DUQModel`.
+        categorical_cross_entropy_weight: weight of a categorical term on the
+            kernel values. See `DUQModel`.
+        clipnorm: clip the gradients to this global norm (`None`: no clipping).
+            See `DUQModel`.
+        health_checks: warn, with a fix, when the certainty is meaningless. See
+            `DUQModel`.
+        penalty_input: name of the layer whose outputs the penalty
+            differentiates (token models: the embedding). See `DUQModel`.
+            `**keras_duq.PAPER_SETTINGS` gives the paper's method.
 
     Returns:
         A `DUQModel`.
     """
-    layer_kwargs, model_kwargs = _split_kwargs(kwargs)
+    arguments = dict(locals())
+    layer_kwargs = {k: arguments[k] for k in _own_arguments(DUQOutput, "num_classes")}
+    model_kwargs = {
+        k: arguments[k] for k in _own_arguments(DUQModel, "inputs", "outputs")
+    }
     inputs = _model_inputs(backbone, input_shape)
     features = backbone(inputs)
     if isinstance(features, (list, tuple, dict)):
@@ -124,28 +171,11 @@ def _own_arguments(cls, *skipped):
 
 def argument_names():
     """The keyword arguments `wrap` takes: its own, `DUQOutput`'s and `DUQModel`'s."""
-    return (
-        ("input_shape", "name")
-        + _own_arguments(DUQOutput, "num_classes")
-        + _own_arguments(DUQModel, "inputs", "outputs")
+    return tuple(
+        name
+        for name, parameter in inspect.signature(wrap).parameters.items()
+        if parameter.kind is inspect.Parameter.KEYWORD_ONLY
     )
-
-
-def _split_kwargs(kwargs):
-    """`wrap`'s keyword arguments as `(DUQOutput's, DUQModel's)`."""
-    layer_names = _own_arguments(DUQOutput, "num_classes")
-    model_names = _own_arguments(DUQModel, "inputs", "outputs")
-    unknown = sorted(set(kwargs) - set(layer_names) - set(model_names))
-    if unknown:
-        raise TypeError(
-            f"`wrap` got unexpected keyword arguments {unknown}. It takes "
-            f"`input_shape`, `name`, the arguments of `DUQOutput` {list(layer_names)} "
-            f"and those of `DUQModel` {list(model_names)}. "
-            f"Received: {', '.join(f'`{k}={kwargs[k]!r}`' for k in unknown)}"
-        )
-    layer_kwargs = {k: v for k, v in kwargs.items() if k in layer_names}
-    model_kwargs = {k: v for k, v in kwargs.items() if k in model_names}
-    return layer_kwargs, model_kwargs
 
 
 def _model_inputs(

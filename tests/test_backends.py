@@ -222,3 +222,69 @@ def test_overflowing_loss_scaled_step_is_skipped(policy):
     assert not np.array_equal(
         counts, keras.ops.convert_to_numpy(model.duq_output.centroid_counts)
     )
+
+
+@pytest.mark.parametrize("batch", ["accepted", "rejected"])
+def test_a_step_computes_checks_then_commits_each_variable_once(monkeypatch, batch):
+    # Compute, check, commit: a rejected batch assigns nothing (so nothing
+    # is put back), and an accepted one assigns each variable at most once.
+    # Eager steps, so that each assignment is a Python call (on JAX, the
+    # trainer assigns nothing itself: its step returns the new state).
+    model = _model(batch_norm=True)
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), run_eagerly=True)
+    x, y = _data(n=16)
+    model.train_on_batch(x, y)  # builds the optimizer and the metrics
+    # The model's own variables (weights, layer state, centroids) that a
+    # call of `assign` changed: metrics are reset and updated several times.
+    own = {id(variable) for variable in model.variables}
+    changed = []
+    original = keras.Variable.assign
+
+    # Writes inside a `keras.StatelessScope` (the step's compute phase) are
+    # recorded by the scope and change no variable.
+    from keras.src.backend.common.stateless_scope import in_stateless_scope
+
+    def recording(variable, value):
+        if in_stateless_scope():
+            return original(variable, value)
+        before = keras.ops.convert_to_numpy(variable.value)
+        result = original(variable, value)
+        after = keras.ops.convert_to_numpy(variable.value)
+        if id(variable) in own and not np.array_equal(before, after):
+            changed.append(variable.path)
+        return result
+
+    monkeypatch.setattr(keras.Variable, "assign", recording)
+    if batch == "rejected":
+        with pytest.raises(ValueError, match="non-finite"):
+            model.train_on_batch(x * 1e30, y)
+        # Not even a change that is put back later.
+        assert changed == []
+    else:
+        model.train_on_batch(x, y)
+        repeated = [path for path in set(changed) if changed.count(path) > 1]
+        assert repeated == [], repeated
+        head = model.duq_output
+        assert head.centroid_sums.path in changed
+
+
+def test_trainers_copy_no_variable():
+    # A structural check of the three trainers: no clone, copy or identity
+    # of a variable, and nothing named restore or rollback.
+    import ast
+    import pathlib
+
+    package = pathlib.Path(keras_duq.__file__).parent
+    for module in ("_trainer", "_tensorflow_trainer", "_torch_trainer", "_jax_trainer"):
+        tree = ast.parse((package / f"{module}.py").read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                assert node.func.attr not in ("clone", "copy", "deepcopy"), module
+                if node.func.attr == "identity":
+                    assert not any(
+                        isinstance(a, ast.Name) and a.id in ("variable", "v")
+                        for a in node.args
+                    ), module
+            if isinstance(node, (ast.FunctionDef, ast.Name)):
+                name = getattr(node, "name", getattr(node, "id", ""))
+                assert "restore" not in name and "rollback" not in name, (module, name)
