@@ -18,6 +18,7 @@ from typing import Any
 import keras
 from keras import ops
 
+from keras_duq._serving import INDEX_OUTPUTS
 from keras_duq._serving import DUQServingModel
 from keras_duq._serving import ServingOptions
 from keras_duq._serving import serving_outputs
@@ -398,6 +399,26 @@ def _name_onnx_outputs(path: str, names: list[str]) -> None:
         node.input[:] = [renamed.get(name, name) for name in node.input]
     for info in list(graph.value_info) + list(graph.output):
         info.name = renamed.get(info.name, info.name)
+    # JAX without x64 computes class indices in int32: cast them to int64,
+    # the dtype every other format and backend serves.
+    for output in graph.output:
+        tensor_type = output.type.tensor_type
+        if (
+            output.name in INDEX_OUTPUTS
+            and tensor_type.elem_type == onnx.TensorProto.INT32
+        ):
+            narrow = f"{output.name}_int32"
+            for node in graph.node:
+                node.output[:] = [
+                    narrow if n == output.name else n for n in node.output
+                ]
+                node.input[:] = [narrow if n == output.name else n for n in node.input]
+            graph.node.append(
+                onnx.helper.make_node(
+                    "Cast", [narrow], [output.name], to=onnx.TensorProto.INT64
+                )
+            )
+            tensor_type.elem_type = onnx.TensorProto.INT64
     onnx.save(onnx_model, path)
 
 

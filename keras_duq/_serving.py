@@ -175,8 +175,9 @@ class DUQServingModel(keras.Model):
 
     Keras's exporters other than the SavedModel's write a model's `call`;
     this one's is the DUQ serving computation, so every format serves the
-    same outputs. Integer outputs are int64 where the backend has it (JAX
-    without x64 gives int32).
+    same outputs. Integer outputs are int64 where the backend has it; JAX
+    without x64 computes them in int32, and its ONNX (and so OpenVINO) files
+    end in a cast to int64 (`_export`).
 
     Args:
         duq_model: the (built) `DUQModel` to serve.
