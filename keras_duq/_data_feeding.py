@@ -1,6 +1,11 @@
-"""How `fit`, `evaluate` and `predict` feed in-memory arrays on TensorFlow."""
+"""How `fit`, `evaluate` and `predict` feed in-memory arrays on TensorFlow,
+and TensorFlow's retracing warning that several models set off."""
 
 from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
 
 import keras
 
@@ -65,3 +70,27 @@ def quiet_array_inputs(method, arguments):
         y=None, sample_weight=None, class_weight=None, batch_size=None, shuffle=False
     )
     return arguments
+
+
+class _RetracingFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "triggered tf.function retracing" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def quiet_retracing() -> Iterator[None]:
+    """Drops TensorFlow's retracing warning inside the block.
+
+    Every model traces its own `predict` function once, and TensorFlow
+    counts the traces of all models' functions together: from the sixth
+    model on (a search's trials, the examples' several models), it reports
+    excessive retracing although nothing is traced twice. Other messages
+    pass; the filter is removed afterwards.
+    """
+    logger = logging.getLogger("tensorflow")
+    retracing_filter = _RetracingFilter()
+    logger.addFilter(retracing_filter)
+    try:
+        yield
+    finally:
+        logger.removeFilter(retracing_filter)

@@ -15,6 +15,7 @@ import numpy as np
 
 from keras_duq import _compat
 from keras_duq import _data_checks
+from keras_duq import _data_feeding
 from keras_duq import _health
 from keras_duq import _ops
 from keras_duq import _penalty_input
@@ -614,7 +615,11 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
     )
     def predict(self, *args: Any, **kwargs: Any) -> np.ndarray:
         args, kwargs = self._prepared_call(super().predict, "predict", args, kwargs)
-        with _failed_call_guard(self), _empty_data_error("predict"):
+        with (
+            _failed_call_guard(self),
+            _empty_data_error("predict"),
+            _data_feeding.quiet_retracing(),
+        ):
             kernel_values = super().predict(*args, **kwargs)
         if self.health_checks:
             _health.check_predictions(self, kernel_values)

@@ -38,17 +38,14 @@ model.fit(x_train, y_train, epochs=30)
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
-import logging
 import math
 import random
 import time
 import warnings
 import weakref
 from collections.abc import Callable
-from collections.abc import Iterator
 from collections.abc import Sequence
 from typing import Any
 
@@ -56,6 +53,7 @@ import keras
 import numpy as np
 from numpy.typing import ArrayLike
 
+from keras_duq._data_feeding import quiet_retracing
 from keras_duq._tuning_inputs import SEARCHED
 from keras_duq._tuning_inputs import check_inputs
 from keras_duq._tuning_inputs import check_labels
@@ -313,7 +311,7 @@ def search(
         verbose,
         total=len(length_scales) + sum(1 for gp in gradient_penalties if gp > 0),
     )
-    with _quiet_retracing():
+    with quiet_retracing():
         trainer.check(length_scales[0], max(gradient_penalties))
         stage_1 = [trainer.run(1, length_scale, 0.0) for length_scale in length_scales]
         chosen = _choose_length_scale(stage_1)
@@ -431,29 +429,6 @@ class _Trainer:
         if self.verbose:
             print(_trial_line(trial, self.total))
         return trial
-
-
-class _RetracingFilter(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "triggered tf.function retracing" not in record.getMessage()
-
-
-@contextlib.contextmanager
-def _quiet_retracing() -> Iterator[None]:
-    """Drops TensorFlow's retracing warning while the search runs.
-
-    Each trial's new model traces its own `predict` function once, which
-    TensorFlow reports as excessive retracing after five models although
-    nothing is traced twice. Other messages pass; the filter is removed
-    afterwards.
-    """
-    logger = logging.getLogger("tensorflow")
-    retracing_filter = _RetracingFilter()
-    logger.addFilter(retracing_filter)
-    try:
-        yield
-    finally:
-        logger.removeFilter(retracing_filter)
 
 
 def _metrics(kernel_values, labels):

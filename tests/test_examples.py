@@ -7,6 +7,7 @@ research/reproduction/ tests and docs cover that).
 """
 
 import json
+import logging
 import runpy
 import sys
 from pathlib import Path
@@ -34,10 +35,25 @@ def test_examples_are_short_and_import_no_other_example():
         )
 
 
-def test_two_moons(tmp_path, monkeypatch):
-    result = run_example(
-        "two_moons.py", ["--quick", "--output-dir", str(tmp_path)], monkeypatch
-    )
+def test_two_moons(tmp_path, monkeypatch, recwarn):
+    messages = []
+
+    class Recorder(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    recorder = Recorder(logging.WARNING)
+    logging.getLogger("tensorflow").addHandler(recorder)
+    try:
+        result = run_example(
+            "two_moons.py", ["--quick", "--output-dir", str(tmp_path)], monkeypatch
+        )
+    finally:
+        logging.getLogger("tensorflow").removeHandler(recorder)
+    # Three models, each tracing its own `predict`: no retracing warning, and
+    # no Python warning the example does not explain.
+    assert not [m for m in messages if "retracing" in m], messages
+    assert [str(w.message) for w in recwarn] == []
     assert len(result["models"]) == 3
     for metrics in result["results"].values():
         assert 0.0 <= metrics["far_certainty"] <= 1.0 and 0.0 <= metrics["auroc"] <= 1.0
