@@ -12,6 +12,7 @@ import contextlib
 import inspect
 import io
 import os
+import warnings
 from typing import TYPE_CHECKING
 from typing import Any
 
@@ -465,6 +466,14 @@ def export_saved_model(
     def outputs_fn(inputs: Any) -> dict[str, Tensor]:
         return serving_outputs(model, inputs, options)
 
+    if keras.backend.backend() == "jax":
+        # A serving signature takes no gradient: without jax2tf's custom
+        # gradients, loading the SavedModel logs no "unsaved custom
+        # gradients" warning.
+        kwargs["jax2tf_kwargs"] = {
+            "with_gradient": False,
+            **(kwargs.get("jax2tf_kwargs") or {}),
+        }
     # This archive only converts `outputs_fn` to a `tf.function`; the
     # SavedModel is written by the second one, with the dtypes fixed.
     converter = keras.export.ExportArchive()
@@ -608,6 +617,12 @@ def export(
     if format == "tf_saved_model":
         export_saved_model(model, filepath, options, verbose, input_signature, **kwargs)
     else:
-        export_serving_model(
-            model, filepath, format, options, verbose, input_signature, **kwargs
-        )
+        with warnings.catch_warnings():
+            # tf2onnx (Keras's ONNX export on TensorFlow) still reads NumPy's
+            # removed `np.object` alias: its warning is not the user's.
+            warnings.filterwarnings(
+                "ignore", message=".*`np.object`", category=FutureWarning
+            )
+            export_serving_model(
+                model, filepath, format, options, verbose, input_signature, **kwargs
+            )

@@ -6,9 +6,11 @@ all three). Every SavedModel is loaded in a separate process that imports
 TensorFlow only.
 """
 
+import logging
 import os
 import subprocess
 import sys
+import warnings
 
 import harness
 import keras
@@ -584,3 +586,32 @@ def test_export_paths_the_format_cannot_write_fail_before_conversion(
     assert sorted(p.name for p in tmp_path.iterdir()) == (
         ["a_file"] if format == "tf_saved_model" else []
     )
+
+
+@pytest.mark.requires_backend("jax")
+def test_a_jax_saved_model_loads_without_a_gradient_warning(tmp_path, caplog):
+    import tensorflow as tf
+
+    model, x, _ = _trained_model()
+    path = str(tmp_path / "duq")
+    model.export(path, format="tf_saved_model")
+    with caplog.at_level(logging.WARNING):
+        loaded = tf.saved_model.load(path)
+    assert not [r for r in caplog.records if "custom gradients" in r.getMessage()]
+    served = loaded.signatures["serving_default"](inputs=tf.constant(x[:4]))
+    np.testing.assert_allclose(
+        served["kernel_values"].numpy(),
+        model.predict(x[:4], verbose=0),
+        rtol=1e-4,
+        atol=1e-7,
+    )
+
+
+@pytest.mark.requires_backend("tensorflow")
+def test_an_onnx_export_on_tensorflow_warns_nothing(tmp_path):
+    pytest.importorskip("tf2onnx")
+    model, _, _ = _trained_model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.export(str(tmp_path / "duq.onnx"), format="onnx")
+    assert [str(w.message) for w in caught] == []
