@@ -467,17 +467,11 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
         """
         if loss is not None:
             raise ValueError(own_loss_message(loss))
+        # Keras's arguments, in its order (the same in Keras 3.3 to 3.15).
         super().compile(
-            optimizer=optimizer,
-            loss=None,
-            loss_weights=loss_weights,
-            metrics=metrics,
-            weighted_metrics=weighted_metrics,
-            run_eagerly=run_eagerly,
-            steps_per_execution=steps_per_execution,
-            jit_compile=jit_compile,
-            auto_scale_loss=auto_scale_loss,
-        )
+            optimizer, None, loss_weights, metrics, weighted_metrics,
+            run_eagerly, steps_per_execution, jit_compile, auto_scale_loss,
+        )  # fmt: skip
 
     def compile_from_config(self, config: dict[str, Any]) -> None:
         # Keras does not restore the compilation of models that override
