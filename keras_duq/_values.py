@@ -17,6 +17,9 @@ def to_float64(value: Any) -> np.ndarray:
         # Not `np.array(tensor)` (what `convert_to_numpy` does there): NumPy 2
         # warns about TensorFlow's `__array__`, which takes no `copy`.
         return np.asarray(value.numpy(), dtype="float64")
+    if keras.backend.backend() == "torch" and hasattr(value, "detach"):
+        # The same for PyTorch's `__array__` (also without `copy`).
+        return value.detach().cpu().double().numpy()
     return np.asarray(ops.convert_to_numpy(value)).astype("float64")
 
 
