@@ -446,8 +446,9 @@ class DUQOutput(keras.layers.Layer):
 
         Returns:
             A scalar bool tensor: whether the update was finite and applied.
-            The caller decides what a refused update means (`DUQModel`
-            raises and puts its training step back).
+            The caller decides what a refused update means (`DUQModel`'s
+            step computes the same update before assigning anything, and
+            raises).
         """
         counts, sums, finite = self._next_centroid_state(features, labels_one_hot)
         # A select, not a Python `if`: the same code runs eagerly and inside

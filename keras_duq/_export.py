@@ -384,7 +384,11 @@ def _check_onnx_runs(path: str, sample: Any) -> None:
 
 
 def _name_onnx_outputs(path: str, names: list[str]) -> None:
-    """Renames the outputs of an ONNX file to `names`, in order."""
+    """Renames the outputs of an ONNX file to `names`, in order.
+
+    JAX without x64 computes class indices (`INDEX_OUTPUTS`) in int32: those
+    outputs get a final cast to int64, the dtype every other format serves.
+    """
     import onnx
 
     onnx_model = onnx.load(path)
@@ -394,32 +398,32 @@ def _name_onnx_outputs(path: str, names: list[str]) -> None:
             f"The ONNX export has {len(graph.output)} outputs where the DUQ "
             f"serving model returns {len(names)} ({', '.join(names)})."
         )
-    renamed = {output.name: name for output, name in zip(graph.output, names)}
+    narrow = [
+        name
+        for output, name in zip(graph.output, names)
+        if name in INDEX_OUTPUTS
+        and output.type.tensor_type.elem_type == onnx.TensorProto.INT32
+    ]
+    # The int32 values keep a name of their own, which the cast reads.
+    renamed = {
+        output.name: f"{name}_int32" if name in narrow else name
+        for output, name in zip(graph.output, names)
+    }
     for node in graph.node:
         node.output[:] = [renamed.get(name, name) for name in node.output]
         node.input[:] = [renamed.get(name, name) for name in node.input]
     for info in list(graph.value_info) + list(graph.output):
         info.name = renamed.get(info.name, info.name)
-    # JAX without x64 computes class indices in int32: cast them to int64,
-    # the dtype every other format and backend serves.
     for output in graph.output:
-        tensor_type = output.type.tensor_type
-        if (
-            output.name in INDEX_OUTPUTS
-            and tensor_type.elem_type == onnx.TensorProto.INT32
-        ):
-            narrow = f"{output.name}_int32"
-            for node in graph.node:
-                node.output[:] = [
-                    narrow if n == output.name else n for n in node.output
-                ]
-                node.input[:] = [narrow if n == output.name else n for n in node.input]
+        name = output.name.removesuffix("_int32")
+        if name in narrow:
             graph.node.append(
                 onnx.helper.make_node(
-                    "Cast", [narrow], [output.name], to=onnx.TensorProto.INT64
+                    "Cast", [output.name], [name], to=onnx.TensorProto.INT64
                 )
             )
-            tensor_type.elem_type = onnx.TensorProto.INT64
+            output.name = name
+            output.type.tensor_type.elem_type = onnx.TensorProto.INT64
     onnx.save(onnx_model, path)
 
 

@@ -70,13 +70,14 @@ def load_model(filepath: str | os.PathLike, **kwargs: Any) -> keras.Model:
     ```
     """
     path = os.fspath(filepath)
-    if str(path).endswith(".keras"):
+    if path.endswith(".keras"):
         check_keras_file(path)
     return keras.models.load_model(filepath, **kwargs)
 
 
 def check_keras_file(path: str) -> None:
-    """Raises a clear `ValueError` unless `path` is a whole `.keras` archive."""
+    """Raises a clear error unless `path` is a whole `.keras` archive:
+    `FileNotFoundError` for a missing file, `ValueError` for a damaged one."""
     if not os.path.isfile(path):
         raise FileNotFoundError(
             f"No `.keras` file at `filepath={path!r}`. Expected the path that "
@@ -94,12 +95,14 @@ def check_keras_file(path: str) -> None:
     try:
         with zipfile.ZipFile(path) as archive:
             damaged = archive.testzip()
+        problem = (
+            None if damaged is None else f"its part {damaged!r} fails its checksum"
+        )
     except (zipfile.BadZipFile, OSError, EOFError) as error:
-        damaged = f"({error})"
-    if damaged is not None:
+        problem = f"its records cannot be read ({error})"
+    if problem is not None:
         raise ValueError(
-            f"`filepath={path!r}` is a damaged `.keras` archive: its part "
-            f"{damaged!r} does not match its checksum, so the bytes changed after "
-            "saving (a failed copy or disk). Save the model again, or copy the "
-            "file again from where it is whole."
+            f"`filepath={path!r}` is a damaged `.keras` archive: {problem}, so "
+            "the bytes changed after saving (a failed copy or disk). Save the "
+            "model again, or copy the file again from where it is whole."
         )

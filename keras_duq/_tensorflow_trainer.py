@@ -21,9 +21,9 @@ One training step:
 4. Commit, after the checks: layer state, optimizer step, centroids and
    metrics. Nothing is copied and nothing is put back.
 
-With `jit_compile`, steps 2 and 4's feature computation are compiled by XLA,
-while the checks and the state updates stay in the TensorFlow graph around
-them: XLA drops assertion ops without a word.
+With `jit_compile`, step 2 (gradients, layer writes and the centroid
+update's features) is compiled by XLA, while the checks and the commit stay
+in the TensorFlow graph around it: XLA drops assertion ops without a word.
 """
 
 from __future__ import annotations
@@ -185,7 +185,7 @@ class TensorFlowTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
         penalised = None
         if self._lazy_penalty:
             penalised = self._is_penalty_step(optimizer.iterations)
-            compute = _lazy(self, compute, penalised, weights)
+            compute = _lazy(self, compute, penalised, weights, layer_state)
         else:
             compute = _maybe_xla(self, compute)
         gradients, values, writes, centroids = compute(x, labels_one_hot, sample_weight)
@@ -340,7 +340,7 @@ class TensorFlowTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
         return logs
 
 
-def _lazy(model, compute, penalised, weights):
+def _lazy(model, compute, penalised, weights, layer_state):
     """`compute` with the penalty only where `penalised` is true.
 
     Both branches of the `tf.cond` must return the same structure: a missing
@@ -357,7 +357,7 @@ def _lazy(model, compute, penalised, weights):
             )
             missing.append([g is None for g in gradients + writes])
             gradients = _filled(gradients, weights)
-            writes = _filled(writes, model._layer_state())
+            writes = _filled(writes, layer_state)
             if values.penalty is None:
                 zeros = tf.zeros(
                     tf.shape(values.log_kernel)[:1], values.objective.dtype
