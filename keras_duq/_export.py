@@ -231,7 +231,11 @@ def export_serving_model(
                 input_signature=input_signature,
                 **kwargs,
             )
-            ov_model = openvino.convert_model(onnx_path)
+            # `Core().read_model` reads the ONNX file with the same frontend as
+            # `openvino.convert_model`, without the converter's telemetry, which
+            # forks a process to send its event over the network (and makes
+            # JAX warn about the fork).
+            ov_model = openvino.Core().read_model(onnx_path)
             # Only the serving names: OpenVINO's CPU plugin drops a final
             # `Convert` (the int64 `predictions`) and merges the names of its
             # input (`jnp_argmax_tmp_0`) into the output's.
@@ -626,6 +630,12 @@ def export(
             # removed `np.object` alias: its warning is not the user's.
             warnings.filterwarnings(
                 "ignore", message=".*`np.object`", category=FutureWarning
+            )
+            # PyTorch's ONNX export traces the serving model: Keras's ops turn
+            # shapes into Python numbers there (`TracerWarning`). The export
+            # tests run each file at batch sizes 256 and 1 against `predict`.
+            warnings.filterwarnings(
+                "ignore", message="(Converting a tensor|torch.as_tensor)", module="keras"
             )
             export_serving_model(
                 model, filepath, format, options, verbose, input_signature, **kwargs

@@ -454,15 +454,35 @@ def _export(model, path, format, batch_size, **options):
     if format == "litert" and BACKEND == "torch":
         spec = keras.InputSpec(shape=(batch_size, 4), dtype="float32", name="inputs")
         options["input_signature"] = [spec]
-    model.export(path, format=format, **options)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.export(path, format=format, **options)
+    # What a user's script prints: Python hides deprecation, import and
+    # resource warnings raised outside `__main__`.
+    hidden = (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning)
+    shown = [
+        f"{w.category.__name__}: {w.message}"
+        for w in caught
+        if not issubclass(w.category, hidden) and not _explained_in_serving_guide(w)
+    ]
+    assert shown == [], shown
 
 
-@pytest.mark.filterwarnings("ignore::FutureWarning")  # tf2onnx's numpy aliases
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def _explained_in_serving_guide(warning):
+    """The warning docs/guide/serving.md explains: `import openvino` sends
+    OpenVINO's telemetry from a forked process, and JAX warns about forks."""
+    return (
+        BACKEND == "jax"
+        and issubclass(warning.category, RuntimeWarning)
+        and "os.fork()" in str(warning.message)
+    )
+
+
 @pytest.mark.parametrize("precision", ["float32", "mixed_float16"])
 @pytest.mark.parametrize("format", _served_formats())
 def test_each_format_serves_the_duq_outputs_in_its_runtime(tmp_path, format, precision):
-    """Certainty to 1e-5 of `predict` (float32), `accept` = certainty >= t, a NaN row refused."""
+    """Certainty to 1e-5 of `predict` (float32), `accept` = certainty >= t, a NaN row
+    refused; the export shows no warning the serving guide does not explain."""
     for package in _RUNTIME_PACKAGES[format]:
         pytest.importorskip(package)  # the `export` extra installs them
     previous = keras.config.dtype_policy()
@@ -607,11 +627,3 @@ def test_a_jax_saved_model_loads_without_a_gradient_warning(tmp_path, caplog):
     )
 
 
-@pytest.mark.requires_backend("tensorflow")
-def test_an_onnx_export_on_tensorflow_warns_nothing(tmp_path):
-    pytest.importorskip("tf2onnx")
-    model, _, _ = _trained_model()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        model.export(str(tmp_path / "duq.onnx"), format="onnx")
-    assert [str(w.message) for w in caught] == []
