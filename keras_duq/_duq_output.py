@@ -8,7 +8,6 @@ import keras
 from keras import ops
 
 from keras_duq import _ops
-from keras_duq import _replicas
 from keras_duq import _saved_configs
 from keras_duq._typing import Tensor
 from keras_duq._validation import check_int
@@ -21,6 +20,15 @@ DEFAULT_KERNEL_INITIALIZER = "he_normal"
 # grows with the square of a wide backbone's width. The paper's FashionMNIST
 # model (256 features) is unchanged by the cap.
 MAX_DEFAULT_CENTROID_DIMS = 256
+# With many classes the default centroid size shrinks so that all centroids
+# together hold at most this many coordinates (and each at least
+# `MIN_DEFAULT_CENTROID_DIMS`): the per-class head's step grows with
+# `features * centroid_dims * num_classes`, and on a 150-intent text model it
+# was 10x a softmax step at 128 dimensions, 3x at 16, with OoD ranking as good
+# (docs/reports/defaults.md). Ten classes keep up to 256 dimensions (the
+# paper's FashionMNIST head).
+MAX_DEFAULT_CENTROID_COORDINATES = 2560
+MIN_DEFAULT_CENTROID_DIMS = 16
 # `W` learns at a tenth of the optimizer's rate: it stays closer to its random
 # start, which keeps more of the out-of-distribution separation that the
 # backbone's features hold. The paper trains `W` at the full rate.
@@ -38,10 +46,11 @@ AUTO = "auto"
 # paper's, so a model used before training computes what it always did.
 AUTO_PLACEHOLDER_LENGTH_SCALE = 0.1
 # `length_scale="auto"`: the length scale in units of the features' spread
-# (`_ops.embedding_scale`). Half a spread: an example one spread from its
-# centroid starts at a kernel value of exp(-2); measured against 1 and 2
-# spreads on five data sets (docs/reports/defaults.md).
-AUTO_LENGTH_SCALE_SPREADS = 0.5
+# (`_ops.embedding_scale`), at the start and as it moves in training. At 0.35
+# an example one spread from its centroid has a kernel value of exp(-4). Of
+# 0.25, 0.35 and 0.5 (docs/reports/defaults.md), 0.5 ranked OoD digits below
+# softmax and 0.25 left short runs' certainty below 0.05.
+AUTO_LENGTH_SCALE_SPREADS = 0.35
 
 
 @keras.saving.register_keras_serializable(package="keras_duq")
@@ -75,6 +84,9 @@ class DUQOutput(keras.layers.Layer):
     - `N_c = momentum * N_c + (1 - momentum) * (number of class-c examples)`
     - `m_c = momentum * m_c + (1 - momentum) * sum(W_c f(x) for class-c x)`
     - `e_c = m_c / N_c`
+    - with `length_scale="auto"`: `sigma = momentum * sigma + (1 - momentum)
+      * 0.35 * spread`, `spread` the root of the batch's mean per-dimension
+      variance of the projected features
 
     The state starts at `N_c = 12` and `m_c = 12 * normal(0, 1)`, as in the
     reference implementation, or, with `bias_correction=True`, at a
@@ -108,19 +120,24 @@ class DUQOutput(keras.layers.Layer):
         num_classes: int, number of classes (at least 2).
         centroid_dims: int or `None`, size `n` of the centroids and of each
             projected feature vector `W_c f(x)`. `None` (default) uses the
-            number of input features, at most 256: the head has
-            `features * centroid_dims * num_classes` weights, and the cap
-            keeps it proportionate on wide backbones (5.2M weights instead of
-            42M for 2048 features and 10 classes). The paper used 256 for
+            number of input features, at most 256 and at most
+            `2560 // num_classes` (but at least 16): the head has
+            `features * centroid_dims * num_classes` weights, and the caps
+            keep it proportionate on wide backbones (5.2M weights instead of
+            42M for 2048 features and 10 classes) and with many classes (17
+            dimensions for 150 classes). The paper used 256 for
             FashionMNIST and 512 for CIFAR-10 (pass it explicitly).
         length_scale: `"auto"` (default) or a float > 0, the RBF length
             scale `sigma`. `"auto"` measures it on the features: at the
             start of the first `fit` (or `start_from_features`), `sigma` is
-            set to half the spread of the projected training features (the
-            root of their mean variance), and the centroids' random start
-            is placed around their mean at that spread, so that the kernel
-            values start near `exp(-4)`, not underflowing, whatever the
-            backbone's scale. A
+            set to 0.35 times the spread of the projected training features
+            (the root of their mean variance), and the centroids' random
+            start is placed around their mean at that spread, so that the
+            kernel values start near `exp(-8)`, not underflowing, whatever
+            the backbone's scale. From then on `sigma` follows 0.35 times
+            the features' spread as a moving average, updated with the
+            centroids (same `momentum`): features that grow or shrink in
+            training keep their kernel values on the same scale. A
             fixed `sigma` (the paper's `0.1` for FashionMNIST and CIFAR-10)
             suits features whose spread is near it; on small or
             short-trained models it can leave every kernel value
@@ -260,7 +277,7 @@ class DUQOutput(keras.layers.Layer):
     def build(self, input_shape: tuple) -> None:
         check_feature_shape(input_shape)
         features = input_shape[-1]
-        dims = self.centroid_dims or min(features, MAX_DEFAULT_CENTROID_DIMS)
+        dims = self.centroid_dims or default_centroid_dims(features, self.num_classes)
         self._resolved_centroid_dims = dims
         self._resolved_head = resolve_head(self.head, features, dims, self.num_classes)
         rate = self.projection_learning_rate
@@ -289,6 +306,8 @@ class DUQOutput(keras.layers.Layer):
                 else self.length_scale
             ),
             trainable=self.trainable_length_scale,
+            # Following the spread, it is assigned as the centroids are.
+            aggregation="mean" if self.follows_spread else "none",
         )
         if self.length_scale == AUTO:
             # 1 once `start_from_features` has set the length scale and the
@@ -369,9 +388,7 @@ class DUQOutput(keras.layers.Layer):
             (self._resolved_centroid_dims, self.num_classes), dtype="float32"
         )
         centroids = _ops.centroid_start(embeddings, scale, noise)
-        self.length_scales.assign(
-            ops.ones((self.num_classes,)) * (AUTO_LENGTH_SCALE_SPREADS * scale)
-        )
+        self.length_scales.assign(self._auto_length_scales(scale))
         self.centroid_sums.assign(centroids * self.centroid_counts.value[None, :])
         self.started.assign(1.0)
 
@@ -450,28 +467,47 @@ class DUQOutput(keras.layers.Layer):
             step computes the same update before assigning anything, and
             raises).
         """
-        counts, sums, finite = self._next_centroid_state(features, labels_one_hot)
+        values, finite = self._next_centroid_state(features, labels_one_hot)
         # A select, not a Python `if`: the same code runs eagerly and inside
         # a compiled TensorFlow step.
         self._assign_centroid_state(
-            ops.where(finite, counts, self.centroid_counts.value),
-            ops.where(finite, sums, self.centroid_sums.value),
+            [
+                ops.where(finite, value, variable.value)
+                for value, variable in zip(values, self.centroid_state)
+            ]
         )
         return finite
 
-    def _assign_centroid_state(self, counts: Tensor, sums: Tensor) -> None:
+    @property
+    def follows_spread(self) -> bool:
+        """Whether the length scale follows the features' moving spread.
+
+        `length_scale="auto"` without `trainable_length_scale`.
+        """
+        return self.length_scale == AUTO and not self.trainable_length_scale
+
+    @property
+    def centroid_state(self) -> list:
+        """The variables a centroid update assigns, in `_next_centroid_state`'s order.
+
+        `centroid_counts` and `centroid_sums`, and `length_scales` where it
+        follows the features' spread.
+        """
+        state = [self.centroid_counts, self.centroid_sums]
+        return state + [self.length_scales] if self.follows_spread else state
+
+    def _assign_centroid_state(self, values: list) -> None:
         """Assigns the centroid state (a training step's commit).
 
         Args:
-            counts: `(num_classes,)` new `centroid_counts`.
-            sums: the new `centroid_sums`, of their shape.
+            values: new values of `centroid_state`, in its order.
         """
-        self.centroid_counts.assign(counts)
-        self.centroid_sums.assign(sums)
+        for variable, value in zip(self.centroid_state, values):
+            variable.assign(value)
 
     def _next_centroid_state(
         self, features: Tensor, labels_one_hot: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor]:
+    ) -> tuple[list, Tensor]:
         """The centroid state after one batch, without assigning it.
 
         Reads the current state (the variables, or their values inside a
@@ -482,18 +518,35 @@ class DUQOutput(keras.layers.Layer):
             labels_one_hot: `(batch, num_classes)` one-hot labels.
 
         Returns:
-            `(counts, sums, finite)`: the new `centroid_counts` and
-            `centroid_sums`, and a scalar bool tensor, whether both are finite.
+            `(values, finite)`: the new values of `centroid_state`, and a
+            scalar bool tensor, whether all are finite.
         """
-        counts, sums = _replicas.replica_sum(
-            *_ops.centroid_statistics(
-                self.embed(features), ops.cast(labels_one_hot, "float32")
-            )
+        embeddings = self.embed(features)
+        counts, sums = _ops.centroid_statistics(
+            embeddings, ops.cast(labels_one_hot, "float32")
         )
-        counts = _ops.moving_average(self.centroid_counts.value, counts, self.momentum)
-        sums = _ops.moving_average(self.centroid_sums.value, sums, self.momentum)
-        finite = _ops.all_finite([counts, sums])
-        return counts, sums, finite
+        batch = ops.cast(ops.shape(embeddings)[0], "float32")
+        variance = _ops.embedding_variance(embeddings) * batch
+        counts, sums, variance, batch = replica_sum(
+            counts, sums, variance, batch
+        )
+        values = [
+            _ops.moving_average(self.centroid_counts.value, counts, self.momentum),
+            _ops.moving_average(self.centroid_sums.value, sums, self.momentum),
+        ]
+        if self.follows_spread:
+            # The spread of one example is not measured: the length scale
+            # keeps its value on such a batch.
+            spread = _ops.embedding_scale(variance=variance / batch)
+            moved = _ops.moving_average(
+                self.length_scales.value, self._auto_length_scales(spread), self.momentum
+            )
+            values.append(ops.where(batch > 1, moved, self.length_scales.value))
+        return values, _ops.all_finite(values)
+
+    def _auto_length_scales(self, spread: Tensor) -> Tensor:
+        """`length_scale="auto"`'s value for features of this spread."""
+        return ops.ones((self.num_classes,)) * (AUTO_LENGTH_SCALE_SPREADS * spread)
 
     def compute_output_shape(self, input_shape: tuple) -> tuple:
         return (input_shape[0], self.num_classes)
@@ -522,6 +575,12 @@ class DUQOutput(keras.layers.Layer):
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> DUQOutput:
         return super().from_config(_saved_configs.output_config(config))
+
+
+def default_centroid_dims(features: int, num_classes: int) -> int:
+    """`centroid_dims=None`: the features, at most 256 and at most 2560 coordinates in all."""
+    share = max(MAX_DEFAULT_CENTROID_COORDINATES // num_classes, MIN_DEFAULT_CENTROID_DIMS)
+    return min(features, MAX_DEFAULT_CENTROID_DIMS, share)
 
 
 def resolve_head(head: str, features: int, centroid_dims: int, num_classes: int) -> str:
@@ -567,3 +626,21 @@ def find_duq_output(inputs, outputs):
             f"`keras_duq.wrap(backbone, num_classes)`. Received: `outputs={outputs!r}`"
         )
     return layer
+
+
+def replica_sum(*tensors):
+    """`tensors`, each summed over the replicas in sync (as a tuple).
+
+    The centroid update sums its batch statistics over the replicas of a
+    `tf.distribute` strategy before the moving-average step, so every replica
+    assigns the same state. JAX's and PyTorch's steps see the global batch
+    already: a no-op there.
+    """
+    if keras.backend.backend() != "tensorflow":
+        return tensors
+    import tensorflow as tf
+
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return tensors
+    return tuple(context.all_reduce(tf.distribute.ReduceOp.SUM, list(tensors)))

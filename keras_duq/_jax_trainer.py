@@ -321,10 +321,10 @@ class JAXTrainer(_trainer.Trainer):
         """
         layer = self.duq_output
         with keras.StatelessScope(state_mapping=self._variable_mapping(*variables)):
-            counts, sums, finite = self._next_centroids(x, labels_one_hot)
+            values, finite = self._next_centroids(x, labels_one_hot)
         updated = list(non_trainable)
-        updated[_index(self.non_trainable_variables, layer.centroid_counts)] = counts
-        updated[_index(self.non_trainable_variables, layer.centroid_sums)] = sums
+        for variable, value in zip(layer.centroid_state, values):
+            updated[_index(self.non_trainable_variables, variable)] = value
         return updated, finite
 
     def _updated_metrics(self, metrics_variables, batch, values, code, penalised=None):

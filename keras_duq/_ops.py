@@ -83,12 +83,19 @@ def _shared_squared_distances(embeddings: Tensor, centroids: Tensor) -> Tensor:
 _MIN_EMBEDDING_VARIANCE = 1e-12
 
 
-def embedding_scale(embeddings: Tensor) -> Tensor:
+def embedding_variance(embeddings: Tensor) -> Tensor:
+    """The mean per-dimension variance of embeddings over the batch (`embedding_scale`)."""
+    return ops.mean(ops.var(embeddings, axis=0))
+
+
+def embedding_scale(
+    embeddings: Tensor | None = None, variance: Tensor | None = None
+) -> Tensor:
     """The spread of embeddings: the root of their mean per-dimension variance.
 
     The typical distance (in `squared_distances`' units, a mean over the
     centroid dimensions) of an embedding from the mean embedding. With
-    `length_scale="auto"` half of it is the length scale, and all of it the
+    `length_scale="auto"` 0.35 of it is the length scale, and all of it the
     scale of the centroids' random start: the kernel is then measured in
     units of the
     features' own spread instead of an absolute `0.1`, which underflows
@@ -98,11 +105,14 @@ def embedding_scale(embeddings: Tensor) -> Tensor:
     Args:
         embeddings: `(batch, centroid_dims, num_classes)` or
             `(batch, centroid_dims)`, as in `squared_distances`.
+        variance: their `embedding_variance` instead (e.g. averaged over
+            replicas).
 
     Returns:
         A scalar float32 tensor `> 0`.
     """
-    variance = ops.mean(ops.var(embeddings, axis=0))
+    if variance is None:
+        variance = embedding_variance(embeddings)
     return ops.sqrt(ops.maximum(variance, _MIN_EMBEDDING_VARIANCE))
 
 
@@ -111,7 +121,7 @@ def centroid_start(embeddings: Tensor, scale: Tensor, noise: Tensor) -> Tensor:
 
     `mean_embedding + scale * noise`: every class starts one spread from the
     data, in a random direction of its own, so the kernel values start near
-    `exp(-4)` (at a length scale of half a spread) instead of underflowing,
+    `exp(-8)` (at a length scale of 0.35 spreads) instead of underflowing,
     and classes are told apart from the first step.
 
     Args:

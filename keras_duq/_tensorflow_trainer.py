@@ -40,9 +40,9 @@ from keras_duq import _errors
 from keras_duq import _moments
 from keras_duq import _ops
 from keras_duq import _trainer
-from keras_duq._tensorflow_batch import labels_to_one_hot
 from keras_duq._validation import NON_FINITE_CENTROID_MESSAGE
 from keras_duq._validation import NON_FINITE_STEP_MESSAGE
+from keras_duq._validation import label_shape_message
 
 
 def _tensor_gradients(function, tensors):
@@ -216,7 +216,7 @@ class TensorFlowTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
                 optimizer.apply(gradients, weights)
             _run_if(
                 applied,
-                lambda: self.duq_output._assign_centroid_state(*centroids[:2]),
+                lambda: self.duq_output._assign_centroid_state(centroids.values),
             )
             # A skipped step's loss may be inf (the scaled input gradient): not logged.
             _run_if(
@@ -429,3 +429,52 @@ def _run_if(condition, function):
         return tf.constant(True)
 
     return tf.cond(condition, run, lambda: tf.constant(False))
+
+
+def labels_to_one_hot(y, num_classes):
+    """One-hot float32 labels and the error code of their values.
+
+    Keras retraces a TensorFlow step with relaxed shapes when the label shape
+    changes between calls, so a step may see labels whose rank or last axis
+    is unknown while it is traced. Labels of known format take the
+    backend-neutral path (`_trainer.labels_to_one_hot`); these are decided in
+    the graph.
+    """
+    y = tf.convert_to_tensor(y)
+    rank = y.shape.rank
+    if rank is not None and (rank == 1 or (rank == 2 and y.shape[-1] is not None)):
+        return _trainer.labels_to_one_hot(y, num_classes)
+    if rank is not None and rank not in (1, 2):
+        raise ValueError(label_shape_message(num_classes, y.shape))
+    # Checks the dtype before anything runs.
+    _trainer.labels_to_one_hot(tf.zeros((0,), y.dtype), num_classes)
+    return _labels_of_unknown_format(y, num_classes)
+
+
+def _labels_of_unknown_format(y, num_classes):
+    rank = tf.rank(y)
+    # The size of the last axis, read as 1 for rank-1 labels.
+    last = tf.shape(tf.reshape(y, (tf.shape(y)[0], -1)))[-1]
+    is_one_hot = tf.logical_and(tf.equal(rank, 2), tf.equal(last, num_classes))
+    is_indices = tf.logical_or(
+        tf.equal(rank, 1), tf.logical_and(tf.equal(rank, 2), tf.equal(last, 1))
+    )
+    flat = tf.reshape(y, (-1,))
+    # One-hot labels pass the index checks trivially: they only bind for indices.
+    candidate = tf.where(is_one_hot, tf.zeros_like(flat), flat)
+    indices_one_hot, code = _trainer.labels_to_one_hot(candidate, num_classes)
+    # A shape that is neither is the batch's error, before its values'.
+    shape_code = tf.where(tf.logical_or(is_one_hot, is_indices), 0, _errors.LABEL_SHAPE)
+    code = _trainer.first_error(tf.cast(shape_code, code.dtype), code)
+    one_hot = tf.cond(
+        is_one_hot,
+        lambda: tf.cast(tf.reshape(flat, (-1, num_classes)), "float32"),
+        lambda: indices_one_hot,
+    )
+    row_code = tf.cond(
+        is_one_hot,
+        lambda: ops.max(_errors.one_hot_codes(one_hot, ops), initial=0),
+        lambda: tf.zeros((), code.dtype),
+    )
+    code = _trainer.first_error(code, tf.cast(row_code, code.dtype))
+    return one_hot, code

@@ -107,7 +107,7 @@ class TorchTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
                 if value is not None:
                     variable.assign(value)
             self.optimizer.apply(gradients, weights)
-            self.duq_output._assign_centroid_state(centroids.counts, centroids.sums)
+            self.duq_output._assign_centroid_state(centroids.values)
             self._update_duq_metrics(batch, _detached(step_values))
         return self.get_metrics_result()
 

@@ -325,10 +325,12 @@ def step_error(finite, centroids_finite):
 
 
 class Centroids(NamedTuple):
-    """A step's centroid update, computed and not yet assigned."""
+    """A step's centroid update, computed and not yet assigned.
 
-    counts: Any
-    sums: Any
+    `values`: new values of `DUQOutput.centroid_state`, in its order.
+    """
+
+    values: list
     finite: Any
 
 
@@ -584,10 +586,7 @@ class Trainer:
         the kernels of Keras's `SpectralNormalization`, which writes the
         normalised kernel back into the wrapped layer's trainable kernel.
         """
-        centroid_state = (
-            self.duq_output.centroid_counts,
-            self.duq_output.centroid_sums,
-        )
+        centroid_state = self.duq_output.centroid_state
         state = [
             variable
             for variable in self.non_trainable_variables

@@ -292,12 +292,12 @@ def test_unknown_head_is_a_clear_error():
 # ------------------------------------------------- length_scale="auto"
 
 
-def _auto_model(seed=0, features=4, classes=3):
+def _auto_model(seed=0, features=4, classes=3, **kwargs):
     keras.utils.set_random_seed(seed)
     backbone = keras.Sequential(
         [keras.Input((features,)), keras.layers.Dense(16, activation="relu")]
     )
-    model = keras_duq.wrap(backbone, num_classes=classes)
+    model = keras_duq.wrap(backbone, num_classes=classes, **kwargs)
     model.compile(optimizer="adam")
     return model
 
@@ -312,7 +312,8 @@ def _data(n=64, features=4, classes=3, scale=1.0, seed=0):
     return x, np.arange(n) % classes
 
 
-def test_auto_length_scale_is_half_the_features_spread_at_the_first_fit():
+def test_auto_length_scale_is_a_share_of_the_features_spread_at_the_first_fit():
+    share = keras_duq._duq_output.AUTO_LENGTH_SCALE_SPREADS
     model = _auto_model()
     head = model.duq_output
     assert head.length_scale == "auto" and head.needs_start
@@ -322,15 +323,54 @@ def test_auto_length_scale_is_half_the_features_spread_at_the_first_fit():
     model.fit(x, y, batch_size=64, epochs=1, verbose=0)
     assert not head.needs_start
     # Set before the first step, from the whole (64-example) sample.
-    np.testing.assert_allclose(_numpy(head.length_scales), 0.5 * spread, rtol=1e-5)
+    np.testing.assert_allclose(_numpy(head.length_scales), share * spread, rtol=1e-5)
     # The centroids start one spread from the features' mean, not at N(0, 1).
     centroids = _numpy(head.centroids)
     distance = np.sqrt(((centroids - embeddings.mean(axis=0)) ** 2).mean())
     assert distance < 3 * spread
-    # A second `fit` keeps them: they are the model's state now.
+    # A second `fit` does not measure again: the length scale is the
+    # model's state now, and its step moves it by one moving-average step
+    # towards its share of the spread at the step's weights.
     before = _numpy(head.length_scales)
+    embeddings = _numpy(head.embed(model.feature_extractor(x, training=False)))
+    spread = np.sqrt(embeddings.var(axis=0).mean())
     model.fit(x, y, batch_size=64, epochs=1, verbose=0)
-    np.testing.assert_array_equal(_numpy(head.length_scales), before)
+    expected = head.momentum * before + (1 - head.momentum) * share * spread
+    np.testing.assert_allclose(_numpy(head.length_scales), expected, rtol=1e-5)
+    assert not np.allclose(before, share * spread, rtol=1e-3)  # a restart would differ
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_auto_length_scale_follows_the_features_spread_in_training(momentum):
+    # Features that grow tenfold after the start: the length scale follows
+    # them, so kernel values keep their scale; a fixed length scale stays.
+    for length_scale in ("auto", 0.5):
+        model = _auto_model(momentum=momentum, length_scale=length_scale)
+        head = model.duq_output
+        x, y = _data()
+        model.fit(x, y, batch_size=64, epochs=1, verbose=0)
+        start = _numpy(head.length_scales)
+        dense = model.feature_extractor.get_layer(index=-1)
+        while not isinstance(dense, keras.layers.Dense):  # the backbone's last layer
+            dense = dense.get_layer(index=-1)
+        dense.kernel.assign(10.0 * dense.kernel)
+        dense.bias.assign(10.0 * dense.bias)
+        for _ in range(3):
+            embeddings = _numpy(head.embed(model.feature_extractor(x, training=False)))
+            before = _numpy(head.length_scales)
+            model.fit(x, y, batch_size=64, epochs=1, verbose=0)
+            if length_scale == "auto":
+                share = keras_duq._duq_output.AUTO_LENGTH_SCALE_SPREADS
+                target = share * np.sqrt(embeddings.var(axis=0).mean())
+                expected = momentum * before + (1 - momentum) * target
+                np.testing.assert_allclose(
+                    _numpy(head.length_scales), expected, rtol=1e-4
+                )
+        if length_scale == "auto":
+            grown = _numpy(head.length_scales) / start
+            assert np.all(grown > (3 if momentum else 8)), grown
+        else:
+            np.testing.assert_array_equal(_numpy(head.length_scales), start)
 
 
 def test_auto_length_scale_follows_the_input_scale():

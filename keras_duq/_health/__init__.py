@@ -18,17 +18,17 @@ sample of a few hundred inputs (`batch_norm_gap`, `centroid_overlap`).
 """
 
 from keras_duq._health import rules
-from keras_duq._health.batch_metrics import batch_trackers
-from keras_duq._health.batch_metrics import update_batch_metrics
 from keras_duq._health.callback import HealthCheck
 from keras_duq._health.callback import sample_inputs
 from keras_duq._health.callback import with_health_check
 from keras_duq._health.checks import ModeComparison
+from keras_duq._health.checks import batch_trackers
 from keras_duq._health.checks import check_final_state
 from keras_duq._health.checks import check_predictions
 from keras_duq._health.checks import feature_noise_layer
-from keras_duq._health.state import out_of_distribution
-from keras_duq._health.state import state_of
+from keras_duq._health.checks import out_of_distribution
+from keras_duq._health.checks import state_of
+from keras_duq._health.checks import update_batch_metrics
 from keras_duq._health.warning_types import BatchNormStatisticsWarning
 from keras_duq._health.warning_types import CentroidWarning
 from keras_duq._health.warning_types import ConstantPenaltyWarning

@@ -17,7 +17,6 @@ from keras_duq._batch_norm import batch_norm_layers
 from keras_duq._batch_norm import inputs_of
 from keras_duq._health import checks
 from keras_duq._health import rules
-from keras_duq._health.state import state_of
 from keras_duq._validation import check_positive_int
 
 if TYPE_CHECKING:
@@ -143,7 +142,7 @@ class HealthCheck(keras.callbacks.Callback):
 
     def _timed_gap(self, model: DUQModel) -> float:
         """`batch_norm_gap` now, or NaN when the comparisons have used their share of time."""
-        state = state_of(model)
+        state = checks.state_of(model)
         state.epoch_seconds += time.perf_counter() - self._epoch_start
         if state.comparison_seconds > rules.CHECK_TIME_SHARE * state.epoch_seconds:
             return float("nan")

@@ -1,7 +1,15 @@
-"""The checks: each reads numbers a model already has and warns once per cause."""
+"""The checks: each reads numbers a model already has and warns once per cause.
+
+Also what the checks keep per model between calls (the warn-once rule), and
+the per-batch health metrics that the training and test steps update.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import warnings
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 from typing import Any
 
@@ -18,8 +26,6 @@ from keras_duq._batch_norm import normalisation_error
 from keras_duq._batch_norm import settled_by_recompute
 from keras_duq._batch_norm import with_statistics
 from keras_duq._health import rules
-from keras_duq._health.state import state_of
-from keras_duq._health.state import warn_once
 from keras_duq._health.warning_types import BatchNormStatisticsWarning
 from keras_duq._health.warning_types import CentroidWarning
 from keras_duq._health.warning_types import ConstantPenaltyWarning
@@ -28,12 +34,113 @@ from keras_duq._health.warning_types import InputScaleWarning
 from keras_duq._health.warning_types import KernelUnderflowWarning
 from keras_duq._health.warning_types import LowCertaintyWarning
 from keras_duq._health.warning_types import PaddingWarning
+from keras_duq._typing import Tensor
 from keras_duq._validation import is_float
 from keras_duq._values import optimizer_steps
 from keras_duq._values import to_float64
 
 if TYPE_CHECKING:
     from keras_duq._duq_model import DUQModel
+
+
+@dataclasses.dataclass
+class HealthState:
+    """One model's health-check state, kept over all its calls.
+
+    Attributes:
+        warned: the causes it has warned about (each warns once).
+        centroid_start: its centroid counts at the start of its first
+            `fit`, with the optimizer step then.
+        out_of_distribution: > 0 while `predict` is given OoD inputs.
+        healthy_in_distribution: whether its last check on in-distribution
+            inputs (`fit`'s training sample, `evaluate`'s data) found the
+            kernel values in inference mode not underflowing; `predict`'s
+            underflow then means inputs far from the training data, which
+            is DUQ's answer, not a fault.
+        epoch_seconds: the seconds its epochs have taken, over all `fit`s ...
+        comparison_seconds: ... and its per-epoch mode comparisons.
+    """
+
+    warned: set[str] = dataclasses.field(default_factory=set)
+    centroid_start: tuple[Any, int | None] | None = None
+    out_of_distribution: int = 0
+    healthy_in_distribution: bool = False
+    epoch_seconds: float = 0.0
+    comparison_seconds: float = 0.0
+
+
+def state_of(model: keras.Model) -> HealthState:
+    """`model`'s `HealthState`, kept on the model (a fresh one at the first call)."""
+    state = getattr(model, "_duq_health_state", None)
+    if state is None:
+        state = HealthState()
+        model._duq_health_state = state
+    return state
+
+
+@contextlib.contextmanager
+def out_of_distribution(model: keras.Model) -> Iterator[None]:
+    """Within the block, `model.predict` checks nothing: its inputs are meant to be OoD.
+
+    Out-of-distribution inputs should get kernel values near 0, and
+    BatchNormalization's batch statistics on them differ from the moving
+    ones by nature.
+    """
+    state = state_of(model)
+    state.out_of_distribution += 1
+    try:
+        yield
+    finally:
+        state.out_of_distribution -= 1
+
+
+def warn_once(model, cause, category, message):
+    warned = state_of(model).warned
+    if cause in warned:
+        return
+    warned.add(cause)
+    warnings.warn(f"{model.name}: {message}", category, stacklevel=3)
+
+
+def batch_trackers(gradient_penalty: float, penalty: str) -> list[keras.metrics.Mean]:
+    """The per-batch health metrics of a model with this penalty."""
+    trackers = [
+        keras.metrics.Mean(name="certainty"),
+        keras.metrics.Mean(name="underflow"),
+    ]
+    if gradient_penalty > 0 and penalty == "two_sided":
+        trackers.append(keras.metrics.Mean(name="zero_input_gradient"))
+    return trackers
+
+
+def update_batch_metrics(
+    trackers: list[keras.metrics.Mean],
+    log_kernel: Tensor,
+    penalty: Tensor | None,
+    penalty_weight: float | Tensor,
+) -> None:
+    """Updates `batch_trackers` from one step's log kernel values and penalty.
+
+    `penalty_weight` weighs the batch's zero-gradient fraction (0 on the
+    steps of a lazy penalty that did not compute it).
+    """
+    certainty, underflow, *zero_gradient = trackers
+    max_log_kernel = ops.max(log_kernel, axis=-1)
+    certainty.update_state(ops.exp(max_log_kernel))
+    underflow.update_state(
+        ops.cast(max_log_kernel < rules.UNDERFLOW_LOG_KERNEL, "float32")
+    )
+    if zero_gradient and penalty is not None:
+        # The two-sided penalty is `(||g|| - 1)^2`: within this band the norm
+        # is ~0 (or, never in practice, ~2).
+        band = _ops.gradient_penalty(
+            ops.convert_to_tensor([rules.ZERO_GRADIENT_NORM, 0.0], "float32"),
+            "two_sided",
+        )
+        flat = ops.logical_and(penalty >= band[0], penalty <= band[1])
+        zero_gradient[0].update_state(
+            ops.mean(ops.cast(flat, "float32")), sample_weight=penalty_weight
+        )
 
 
 class ModeComparison:
