@@ -526,9 +526,16 @@ class DUQOutput(keras.layers.Layer):
             embeddings, ops.cast(labels_one_hot, "float32")
         )
         batch = ops.cast(ops.shape(embeddings)[0], "float32")
-        variance = _ops.embedding_variance(embeddings) * batch
-        counts, sums, variance, batch = replica_sum(
-            counts, sums, variance, batch
+        # Moments about the current centroids, which every replica holds: the
+        # replicas' sums then give the global batch's variance exactly, with
+        # little cancellation (the centroids sit near the features' means).
+        reference = self.centroids
+        if len(embeddings.shape) == 2:  # the shared head
+            reference = ops.mean(reference, axis=-1)
+        shifted = embeddings - reference
+        first, second = ops.sum(shifted, axis=0), ops.sum(ops.square(shifted), axis=0)
+        counts, sums, first, second, batch = replica_sum(
+            counts, sums, first, second, batch
         )
         values = [
             _ops.moving_average(self.centroid_counts.value, counts, self.momentum),
@@ -537,7 +544,9 @@ class DUQOutput(keras.layers.Layer):
         if self.follows_spread:
             # The spread of one example is not measured: the length scale
             # keeps its value on such a batch.
-            spread = _ops.embedding_scale(variance=variance / batch)
+            spread = _ops.embedding_scale(
+                variance=_ops.variance_from_sums(first, second, batch)
+            )
             moved = _ops.moving_average(
                 self.length_scales.value, self._auto_length_scales(spread), self.momentum
             )

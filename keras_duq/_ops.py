@@ -88,6 +88,19 @@ def embedding_variance(embeddings: Tensor) -> Tensor:
     return ops.mean(ops.var(embeddings, axis=0))
 
 
+def variance_from_sums(first: Tensor, second: Tensor, count: Tensor) -> Tensor:
+    """`embedding_variance` from sums over a batch of (shifted) embeddings.
+
+    Args:
+        first: the sum of the embeddings minus any fixed reference, over
+            the batch axis.
+        second: the sum of their squares.
+        count: the number of embeddings summed.
+    """
+    mean = first / count
+    return ops.mean(ops.maximum(second / count - ops.square(mean), 0.0))
+
+
 def embedding_scale(
     embeddings: Tensor | None = None, variance: Tensor | None = None
 ) -> Tensor:

@@ -644,12 +644,17 @@ def test_penalty_gradient_survives_float16_underflow(policy, monkeypatch):
 
 
 @pytest.mark.requires_backend("tensorflow")  # tf.distribute
-@pytest.mark.parametrize("head", ["per_class", "shared"])
-def test_mirrored_strategy_matches_one_device(head):
+@pytest.mark.parametrize(
+    "head, length_scale",
+    [("per_class", "0.5"), ("shared", "0.5"), ("per_class", "auto"), ("shared", "auto")],
+)
+def test_mirrored_strategy_matches_one_device(head, length_scale):
     # Two logical CPUs must be configured before TensorFlow starts: a fresh
     # process. Without the cross-replica sum in update_centroids the weights
     # differ by ~0.8 here (measured), the replicas' centroid copies agreeing.
-    report = harness.run("mirrored.py", backend="tensorflow", args=[head])
+    # With `"auto"` the length scale follows the spread of the global batch
+    # (the replicas see different classes, so their own spreads differ).
+    report = harness.run("mirrored.py", backend="tensorflow", args=[head, length_scale])
     assert report["replicas"] == 2 and report["copies"] == 2
     assert report["copy_difference"] == 0.0
     assert report["difference"] < 1e-5

@@ -1,6 +1,6 @@
 """The same 2 epochs on one device and under `MirroredStrategy` on two logical CPUs.
 
-    python mirrored.py HEAD
+    python mirrored.py HEAD [LENGTH_SCALE]
 
 The two logical CPUs must be configured before TensorFlow starts, so this
 runs in a process of its own. Prints the largest weight difference and
@@ -10,6 +10,7 @@ whether the replicas' centroid copies agree.
 import json
 import sys
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -24,18 +25,23 @@ rng = np.random.default_rng(0)
 x = rng.normal(size=(16, 4)).astype("float32")
 y = np.array([0] * 2 + [1] * 6 + [2] * 8)  # the replicas see different classes
 head = sys.argv[1]
-single = build(head)
+length_scale = sys.argv[2] if len(sys.argv) > 2 else "0.5"
+length_scale = length_scale if length_scale == "auto" else float(length_scale)
+single = build(head, length_scale)
 strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 with strategy.scope():
-    mirrored = build(head)
+    mirrored = build(head, length_scale)
 for weight, other in zip(mirrored.weights, single.weights):
     weight.assign(other.numpy())
+# `length_scale="auto"` draws the centroids' start: the same draws for both.
+keras.utils.set_random_seed(0)
 single.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+keras.utils.set_random_seed(0)
 mirrored.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
 layer = mirrored.duq_output
 copies = [
     [t.numpy() for t in strategy.experimental_local_results(v.value)]
-    for v in (layer.centroid_counts, layer.centroid_sums)
+    for v in layer.centroid_state
 ]
 report = {
     "replicas": strategy.num_replicas_in_sync,
