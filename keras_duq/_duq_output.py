@@ -306,8 +306,9 @@ class DUQOutput(keras.layers.Layer):
                 else self.length_scale
             ),
             trainable=self.trainable_length_scale,
-            # Following the spread, it is assigned as the centroids are.
-            aggregation="mean" if self.follows_spread else "none",
+            # Following the spread, it is assigned as the centroids are
+            # (otherwise Keras's default, which differs between versions).
+            **({"aggregation": "mean"} if self.follows_spread else {}),
         )
         if self.length_scale == AUTO:
             # 1 once `start_from_features` has set the length scale and the
