@@ -308,7 +308,7 @@ class DUQOutput(keras.layers.Layer):
             trainable=self.trainable_length_scale,
             # Following the spread, it is assigned as the centroids are
             # (otherwise Keras's default, which differs between versions).
-            **({"aggregation": "mean"} if self.follows_spread else {}),
+            **({"aggregation": "mean"} if self._follows_spread else {}),
         )
         if self.length_scale == AUTO:
             # 1 once `start_from_features` has set the length scale and the
@@ -384,7 +384,7 @@ class DUQOutput(keras.layers.Layer):
         if self.length_scale != AUTO:
             return
         embeddings = self.embed(features)
-        scale = _ops.embedding_scale(embeddings)
+        scale = _ops.embedding_scale(_ops.embedding_variance(embeddings))
         noise = keras.random.normal(
             (self._resolved_centroid_dims, self.num_classes), dtype="float32"
         )
@@ -474,13 +474,13 @@ class DUQOutput(keras.layers.Layer):
         self._assign_centroid_state(
             [
                 ops.where(finite, value, variable.value)
-                for value, variable in zip(values, self.centroid_state)
+                for value, variable in zip(values, self._centroid_state)
             ]
         )
         return finite
 
     @property
-    def follows_spread(self) -> bool:
+    def _follows_spread(self) -> bool:
         """Whether the length scale follows the features' moving spread.
 
         `length_scale="auto"` without `trainable_length_scale`.
@@ -488,22 +488,22 @@ class DUQOutput(keras.layers.Layer):
         return self.length_scale == AUTO and not self.trainable_length_scale
 
     @property
-    def centroid_state(self) -> list:
+    def _centroid_state(self) -> list:
         """The variables a centroid update assigns, in `_next_centroid_state`'s order.
 
         `centroid_counts` and `centroid_sums`, and `length_scales` where it
         follows the features' spread.
         """
         state = [self.centroid_counts, self.centroid_sums]
-        return state + [self.length_scales] if self.follows_spread else state
+        return state + [self.length_scales] if self._follows_spread else state
 
     def _assign_centroid_state(self, values: list) -> None:
         """Assigns the centroid state (a training step's commit).
 
         Args:
-            values: new values of `centroid_state`, in its order.
+            values: new values of `_centroid_state`, in its order.
         """
-        for variable, value in zip(self.centroid_state, values):
+        for variable, value in zip(self._centroid_state, values):
             variable.assign(value)
 
     def _next_centroid_state(
@@ -519,38 +519,40 @@ class DUQOutput(keras.layers.Layer):
             labels_one_hot: `(batch, num_classes)` one-hot labels.
 
         Returns:
-            `(values, finite)`: the new values of `centroid_state`, and a
+            `(values, finite)`: the new values of `_centroid_state`, and a
             scalar bool tensor, whether all are finite.
         """
         embeddings = self.embed(features)
-        counts, sums = _ops.centroid_statistics(
+        statistics = _ops.centroid_statistics(
             embeddings, ops.cast(labels_one_hot, "float32")
         )
-        batch = ops.cast(ops.shape(embeddings)[0], "float32")
-        # Moments about the current centroids, which every replica holds: the
-        # replicas' sums then give the global batch's variance exactly, with
-        # little cancellation (the centroids sit near the features' means).
-        reference = self.centroids
-        if len(embeddings.shape) == 2:  # the shared head
-            reference = ops.mean(reference, axis=-1)
-        shifted = embeddings - reference
-        first, second = ops.sum(shifted, axis=0), ops.sum(ops.square(shifted), axis=0)
-        counts, sums, first, second, batch = replica_sum(
-            counts, sums, first, second, batch
-        )
+        if self._follows_spread:
+            # Moments about the current centroids, which every replica holds:
+            # the replicas' sums then give the global batch's variance
+            # exactly, with little cancellation (the centroids sit near the
+            # features' means).
+            reference = self.centroids
+            if len(embeddings.shape) == 2:  # the shared head
+                reference = ops.mean(reference, axis=-1)
+            shifted = embeddings - reference
+            statistics += (
+                ops.sum(shifted, axis=0),
+                ops.sum(ops.square(shifted), axis=0),
+                ops.cast(ops.shape(embeddings)[0], "float32"),
+            )
+        counts, sums, *moments = replica_sum(*statistics)
         values = [
             _ops.moving_average(self.centroid_counts.value, counts, self.momentum),
             _ops.moving_average(self.centroid_sums.value, sums, self.momentum),
         ]
-        if self.follows_spread:
-            # The spread of one example is not measured: the length scale
-            # keeps its value on such a batch.
-            spread = _ops.embedding_scale(
-                variance=_ops.variance_from_sums(first, second, batch)
-            )
+        if moments:
+            first, second, batch = moments
+            spread = _ops.embedding_scale(_ops.variance_from_sums(first, second, batch))
             moved = _ops.moving_average(
                 self.length_scales.value, self._auto_length_scales(spread), self.momentum
             )
+            # The spread of one example is not measured: the length scale
+            # keeps its value on such a batch.
             values.append(ops.where(batch > 1, moved, self.length_scales.value))
         return values, _ops.all_finite(values)
 

@@ -323,7 +323,7 @@ class JAXTrainer(_trainer.Trainer):
         with keras.StatelessScope(state_mapping=self._variable_mapping(*variables)):
             values, finite = self._next_centroids(x, labels_one_hot)
         updated = list(non_trainable)
-        for variable, value in zip(layer.centroid_state, values):
+        for variable, value in zip(layer._centroid_state, values):
             updated[_index(self.non_trainable_variables, variable)] = value
         return updated, finite
 

@@ -84,7 +84,12 @@ _MIN_EMBEDDING_VARIANCE = 1e-12
 
 
 def embedding_variance(embeddings: Tensor) -> Tensor:
-    """The mean per-dimension variance of embeddings over the batch (`embedding_scale`)."""
+    """The mean per-dimension variance of embeddings over the batch.
+
+    Args:
+        embeddings: `(batch, centroid_dims, num_classes)` or
+            `(batch, centroid_dims)`, as in `squared_distances`.
+    """
     return ops.mean(ops.var(embeddings, axis=0))
 
 
@@ -101,9 +106,7 @@ def variance_from_sums(first: Tensor, second: Tensor, count: Tensor) -> Tensor:
     return ops.mean(ops.maximum(second / count - ops.square(mean), 0.0))
 
 
-def embedding_scale(
-    embeddings: Tensor | None = None, variance: Tensor | None = None
-) -> Tensor:
+def embedding_scale(variance: Tensor) -> Tensor:
     """The spread of embeddings: the root of their mean per-dimension variance.
 
     The typical distance (in `squared_distances`' units, a mean over the
@@ -116,16 +119,12 @@ def embedding_scale(
     are large.
 
     Args:
-        embeddings: `(batch, centroid_dims, num_classes)` or
-            `(batch, centroid_dims)`, as in `squared_distances`.
-        variance: their `embedding_variance` instead (e.g. averaged over
-            replicas).
+        variance: the embeddings' `embedding_variance` (or
+            `variance_from_sums`, for sums over replicas).
 
     Returns:
         A scalar float32 tensor `> 0`.
     """
-    if variance is None:
-        variance = embedding_variance(embeddings)
     return ops.sqrt(ops.maximum(variance, _MIN_EMBEDDING_VARIANCE))
 
 

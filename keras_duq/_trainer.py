@@ -327,7 +327,7 @@ def step_error(finite, centroids_finite):
 class Centroids(NamedTuple):
     """A step's centroid update, computed and not yet assigned.
 
-    `values`: new values of `DUQOutput.centroid_state`, in its order.
+    `values`: new values of `DUQOutput._centroid_state`, in its order.
     """
 
     values: list
@@ -586,7 +586,7 @@ class Trainer:
         the kernels of Keras's `SpectralNormalization`, which writes the
         normalised kernel back into the wrapped layer's trainable kernel.
         """
-        centroid_state = self.duq_output.centroid_state
+        centroid_state = self.duq_output._centroid_state
         state = [
             variable
             for variable in self.non_trainable_variables

@@ -331,10 +331,12 @@ def test_auto_length_scale_is_a_share_of_the_features_spread_at_the_first_fit():
     # A second `fit` does not measure again: the length scale is the
     # model's state now, and its step moves it by one moving-average step
     # towards its share of the spread at the step's weights.
+    # Inputs twice as large (features about twice as spread): a restart
+    # would land far from the moving average.
     before = _numpy(head.length_scales)
-    embeddings = _numpy(head.embed(model.feature_extractor(x, training=False)))
+    embeddings = _numpy(head.embed(model.feature_extractor(2 * x, training=False)))
     spread = np.sqrt(embeddings.var(axis=0).mean())
-    model.fit(x, y, batch_size=64, epochs=1, verbose=0)
+    model.fit(2 * x, y, batch_size=64, epochs=1, verbose=0)
     expected = head.momentum * before + (1 - head.momentum) * share * spread
     np.testing.assert_allclose(_numpy(head.length_scales), expected, rtol=1e-5)
     assert not np.allclose(before, share * spread, rtol=1e-3)  # a restart would differ

@@ -41,7 +41,7 @@ mirrored.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
 layer = mirrored.duq_output
 copies = [
     [t.numpy() for t in strategy.experimental_local_results(v.value)]
-    for v in layer.centroid_state
+    for v in layer._centroid_state
 ]
 report = {
     "replicas": strategy.num_replicas_in_sync,
