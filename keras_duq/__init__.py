@@ -55,7 +55,6 @@ import importlib
 from keras_duq._batch_norm import recompute_batch_norm_statistics
 from keras_duq._duq_model import DUQModel
 from keras_duq._duq_output import DUQOutput
-from keras_duq._errors import DUQBatchError
 from keras_duq._health import BatchNormStatisticsWarning
 from keras_duq._health import CentroidWarning
 from keras_duq._health import ConstantPenaltyWarning
@@ -68,6 +67,7 @@ from keras_duq._health import PaddingWarning
 from keras_duq._saved_configs import load_model
 from keras_duq._spectral_normalization import SpectralNormalization
 from keras_duq._spectral_normalization import spectral_normalize
+from keras_duq._validation import DUQBatchError
 from keras_duq._wrap import PAPER_SETTINGS
 from keras_duq._wrap import wrap
 

@@ -27,9 +27,9 @@ import numpy as np
 from keras import ops
 
 from keras_duq import _compat
+from keras_duq._ops import optimizer_steps
+from keras_duq._ops import to_float64
 from keras_duq._validation import check_positive_int
-from keras_duq._values import optimizer_steps
-from keras_duq._values import to_float64
 
 __all__ = ["RecomputeBatchNormStatistics", "recompute_batch_norm_statistics"]
 

@@ -9,8 +9,8 @@ behaviour degrades with one warning instead of failing.
    batch statistics of `BatchNormalization` and `GroupNormalization` in the
    module-level function `keras.src.backend.tensorflow.nn._compute_moments`.
    The gradient penalty needs them with exact second derivatives (see
-   `_moments`). Degrades to: a second-order term missing from the penalty's
-   gradient through those layers.
+   `_tensorflow_trainer.second_order_moments`). Degrades to: a second-order
+   term missing from the penalty's gradient through those layers.
 2. `MultiWorkerBuildMixin`: Keras (3.x, TensorFlow backend) builds a
    distributed model from one batch reduced with
    `strategy.reduce("MEAN", batch)`, which `MultiWorkerMirroredStrategy`
@@ -26,7 +26,7 @@ behaviour degrades with one warning instead of failing.
    (`ArrayDataAdapter`, which shuffles indices and gathers batches), and
    `split_validation(...)`, the split behind `fit(validation_split=...)`, so
    that keras_duq can feed `fit` the same batches with `tf.data`'s
-   autotuning off (see `_data_feeding.quiet_array_inputs`). Degrades
+   autotuning off (see `_validation.quiet_array_inputs`). Degrades
    to: Keras's own pipeline, whose whole `fit` can take up to twice its
    steps' time.
 5. `all_layers(layer)`: every layer nested in `layer`, also inside a user's

@@ -14,13 +14,12 @@ import keras
 import numpy as np
 
 from keras_duq import _compat
-from keras_duq import _data_checks
-from keras_duq import _data_feeding
 from keras_duq import _health
 from keras_duq import _ops
 from keras_duq import _penalty_input
 from keras_duq import _saved_configs
 from keras_duq import _trainer
+from keras_duq import _validation
 from keras_duq._batch_norm import as_arrays
 from keras_duq._batch_norm import inputs_of
 from keras_duq._duq_output import find_duq_output
@@ -356,8 +355,14 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
         )
         self._accuracy_tracker = keras.metrics.Mean(name="accuracy")
         self.health_checks = health_checks
-        self._health_trackers = (
-            _health.batch_trackers(self.gradient_penalty, penalty)
+        # Metrics of the step's own values, updated by every step with
+        # `(log_kernel, penalty, penalty_weight)`: the health numbers.
+        self._step_metrics = (
+            [
+                _health.BatchHealth(
+                    zero_gradient=self.gradient_penalty > 0 and penalty == "two_sided"
+                )
+            ]
             if self.health_checks
             else []
         )
@@ -407,7 +412,7 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
                 self._bce_tracker,
                 self._penalty_tracker,
                 self._accuracy_tracker,
-                *self._health_trackers,
+                *self._step_metrics,
                 self._error_tracker,
             )
             if tracker is not None
@@ -488,10 +493,10 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
     def _prepared_call(self, method, name, args, kwargs):
         """`(args, kwargs)` for the Keras `method`: data checked whole, a
         `HealthCheck` added (`fit`, `evaluate`), fed as the backend wants."""
-        arguments = _data_checks.lists_as_arrays(
+        arguments = _validation.lists_as_arrays(
             self, _bound_arguments(method, args, kwargs)
         )
-        _data_checks.check_call_data(self, name, arguments)
+        _validation.check_call_data(self, name, arguments)
         if name == "fit" and self.duq_output.needs_start:
             arguments = self._start_from_data(arguments)
         if self.health_checks and name != "predict":
@@ -571,7 +576,7 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
             and not self._uses_loss_scale()
         )
         if ran_no_step:
-            raise ValueError(_data_checks.EMPTY_STREAM_MESSAGE.format(method="fit"))
+            raise ValueError(_validation.EMPTY_STREAM_MESSAGE.format(method="fit"))
         return history
 
     @_documented(
@@ -591,7 +596,7 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
             results = super().evaluate(*args, **kwargs)
         if float(self._objective_tracker.count) == 0:
             raise ValueError(
-                _data_checks.EMPTY_STREAM_MESSAGE.format(method="evaluate")
+                _validation.EMPTY_STREAM_MESSAGE.format(method="evaluate")
             )
         return results
 
@@ -612,7 +617,7 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
         with (
             _failed_call_guard(self),
             _empty_data_error("predict"),
-            _data_feeding.quiet_retracing(),
+            _validation.quiet_retracing(),
         ):
             kernel_values = super().predict(*args, **kwargs)
         if self.health_checks:
@@ -814,5 +819,5 @@ def _empty_data_error(method):
         yield
     except UnboundLocalError as error:
         raise ValueError(
-            _data_checks.EMPTY_STREAM_MESSAGE.format(method=method)
+            _validation.EMPTY_STREAM_MESSAGE.format(method=method)
         ) from error

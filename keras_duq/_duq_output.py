@@ -9,10 +9,10 @@ from keras import ops
 
 from keras_duq import _ops
 from keras_duq import _saved_configs
+from keras_duq._ops import to_float64
 from keras_duq._typing import Tensor
 from keras_duq._validation import check_int
 from keras_duq._validation import check_positive
-from keras_duq._values import to_float64
 
 DEFAULT_KERNEL_INITIALIZER = "he_normal"
 # The default centroid size is the number of features, capped here: the head

@@ -33,9 +33,9 @@ import keras
 from keras import ops
 
 from keras_duq import _compat
-from keras_duq import _errors
 from keras_duq import _ops
 from keras_duq import _trainer
+from keras_duq import _validation
 
 # The log key (and metric name) that carries a step's error code.
 ERROR_LOG = "duq_error_code"
@@ -155,14 +155,14 @@ class JAXTrainer(_trainer.Trainer):
         else:
             applied = jnp.array(True)
             code = _trainer.first_error(
-                code, jnp.where(finite, 0, _errors.NON_FINITE_STEP)
+                code, jnp.where(finite, 0, _validation.NON_FINITE_STEP)
             )
         new_non_trainable, centroids_finite = self._update_centroids(
             (trainable, non_trainable), new_non_trainable, x, labels_one_hot
         )
         code = _trainer.first_error(
             code,
-            jnp.where(centroids_finite | ~applied, 0, _errors.NON_FINITE_CENTROIDS),
+            jnp.where(centroids_finite | ~applied, 0, _validation.NON_FINITE_CENTROIDS),
         )
 
         ok = (code == 0) & (self._previous_error(metrics_variables) == 0)
@@ -270,7 +270,7 @@ class JAXTrainer(_trainer.Trainer):
                         new_state, training=attribute == "train_function"
                     )
                     _compat.mark_state_restored(self)
-                    raise _errors.batch_error(code, self.num_classes)
+                    raise _validation.batch_error(code, self.num_classes)
             return logs, new_state
 
         checked._duq_checked = True
@@ -283,7 +283,7 @@ class JAXTrainer(_trainer.Trainer):
             pending = self._pending(attribute)
             code, pending["code"], pending["calls"] = pending["code"], None, 0
             if code is not None and int(code):
-                raise _errors.batch_error(code, self.num_classes)
+                raise _validation.batch_error(code, self.num_classes)
 
     def _pending(self, attribute):
         # Outside Keras's attribute tracking; one record per function.

@@ -24,6 +24,15 @@ One training step:
 With `jit_compile`, step 2 (gradients, layer writes and the centroid
 update's features) is compiled by XLA, while the checks and the commit stay
 in the TensorFlow graph around it: XLA drops assertion ops without a word.
+
+Batch moments differentiated twice: `tf.nn.moments`, which Keras's
+`BatchNormalization` and `GroupNormalization` use on this backend, computes
+the variance around `stop_gradient(mean)`. The first derivative is exact,
+but the penalty differentiates an input gradient, and the second loses a
+term: every weight below a normalization layer gets a slightly wrong penalty
+gradient (a bias feeding `BatchNormalization` gets a nonzero one). While the
+step builds its forward pass, `second_order_moments()` makes Keras use
+`moments`, the same values (bitwise) without the `stop_gradient`.
 """
 
 from __future__ import annotations
@@ -35,14 +44,37 @@ import tensorflow as tf
 from keras import ops
 
 from keras_duq import _compat
-from keras_duq import _data_feeding
-from keras_duq import _errors
-from keras_duq import _moments
 from keras_duq import _ops
 from keras_duq import _trainer
+from keras_duq import _validation
 from keras_duq._validation import NON_FINITE_CENTROID_MESSAGE
 from keras_duq._validation import NON_FINITE_STEP_MESSAGE
 from keras_duq._validation import label_shape_message
+
+
+def moments(
+    x: tf.Tensor, axes: int | list[int] | tuple[int, ...], keepdims: bool = False
+) -> tuple[tf.Tensor, tf.Tensor]:
+    """Mean and (biased) variance of `x` over `axes`, twice differentiable.
+
+    The same operations as `tf.nn.moments`, but the variance stays a function
+    of the mean in the gradient graph.
+    """
+    mean = tf.reduce_mean(x, axes, keepdims=True)
+    variance = tf.reduce_mean(tf.math.squared_difference(x, mean), axes, keepdims=True)
+    if not keepdims:
+        mean = tf.squeeze(mean, axes)
+        variance = tf.squeeze(variance, axes)
+    return mean, variance
+
+
+def second_order_moments() -> contextlib.AbstractContextManager[None]:
+    """Within the block, Keras layers compute batch moments with `moments`.
+
+    Nested and concurrent blocks share one swap (see `_compat`). Any other
+    code that runs meanwhile gets the same values as without the swap.
+    """
+    return _compat.swap_batch_moments(moments)
 
 
 def _tensor_gradients(function, tensors):
@@ -72,7 +104,7 @@ def _probe_gradients(function):
 def _nested_tape():
     with (
         tf.GradientTape(watch_accessed_variables=False) as tape,
-        _moments.second_order_moments(),
+        second_order_moments(),
     ):
         yield tape
 
@@ -153,7 +185,7 @@ class TensorFlowTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
             )
             if code:
                 variable.assign(0)
-                return _errors.batch_error(code, self.num_classes)
+                return _validation.batch_error(code, self.num_classes)
         return super()._batch_error(error)
 
     def train_step(self, data):
@@ -202,8 +234,8 @@ class TensorFlowTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
             checks = checks + [
                 tf.debugging.Assert(tf.not_equal(code, error), [message])
                 for error, message in (
-                    (_errors.NON_FINITE_STEP, NON_FINITE_STEP_MESSAGE),
-                    (_errors.NON_FINITE_CENTROIDS, NON_FINITE_CENTROID_MESSAGE),
+                    (_validation.NON_FINITE_STEP, NON_FINITE_STEP_MESSAGE),
+                    (_validation.NON_FINITE_CENTROIDS, NON_FINITE_CENTROID_MESSAGE),
                 )
             ]
         # The commit: every state change of the step (layer state, weights,
@@ -247,7 +279,7 @@ class TensorFlowTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
 
     @staticmethod
     def prepare_arguments(method, arguments):
-        return _data_feeding.quiet_array_inputs(method, arguments)
+        return _validation.quiet_array_inputs(method, arguments)
 
     def _validated_batch(self, x, y, sample_weight):
         """`(x, labels_one_hot, sample_weight, checks)`: the checks as graph ops.
@@ -261,9 +293,9 @@ class TensorFlowTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
             checks = [
                 tf.debugging.Assert(
                     tf.not_equal(code, error),
-                    [_errors.error_message(error, self.num_classes)],
+                    [_validation.error_message(error, self.num_classes)],
                 )
-                for error in _errors.BATCH_ERRORS
+                for error in _validation.BATCH_ERRORS
             ]
         with tf.control_dependencies(checks):
             x, labels_one_hot, sample_weight = tf.nest.map_structure(
@@ -464,7 +496,7 @@ def _labels_of_unknown_format(y, num_classes):
     candidate = tf.where(is_one_hot, tf.zeros_like(flat), flat)
     indices_one_hot, code = _trainer.labels_to_one_hot(candidate, num_classes)
     # A shape that is neither is the batch's error, before its values'.
-    shape_code = tf.where(tf.logical_or(is_one_hot, is_indices), 0, _errors.LABEL_SHAPE)
+    shape_code = tf.where(tf.logical_or(is_one_hot, is_indices), 0, _validation.LABEL_SHAPE)
     code = _trainer.first_error(tf.cast(shape_code, code.dtype), code)
     one_hot = tf.cond(
         is_one_hot,
@@ -473,7 +505,7 @@ def _labels_of_unknown_format(y, num_classes):
     )
     row_code = tf.cond(
         is_one_hot,
-        lambda: ops.max(_errors.one_hot_codes(one_hot, ops), initial=0),
+        lambda: ops.max(_validation.one_hot_codes(one_hot, ops), initial=0),
         lambda: tf.zeros((), code.dtype),
     )
     code = _trainer.first_error(code, tf.cast(row_code, code.dtype))

@@ -25,8 +25,8 @@ from __future__ import annotations
 import keras
 import torch
 
-from keras_duq import _errors
 from keras_duq import _trainer
+from keras_duq import _validation
 
 
 def _tensor_gradients(function, tensors):
@@ -139,7 +139,7 @@ class TorchTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
 
     def _raise(self, code):
         if code:
-            raise _errors.batch_error(code, self.num_classes)
+            raise _validation.batch_error(code, self.num_classes)
 
 
 def _all_finite(tensors):

@@ -39,22 +39,21 @@ import keras
 from keras import ops
 
 from keras_duq import _compat
-from keras_duq import _health
 from keras_duq import _ops
 from keras_duq import _penalty_input
-from keras_duq._errors import NON_FINITE_CENTROIDS
-from keras_duq._errors import NON_FINITE_INPUT
-from keras_duq._errors import NON_FINITE_STEP
-from keras_duq._errors import DUQBatchError
-from keras_duq._errors import is_one_hot
-from keras_duq._errors import label_codes
-from keras_duq._errors import one_hot_codes
+from keras_duq._ops import optimizer_steps
+from keras_duq._validation import NON_FINITE_CENTROIDS
+from keras_duq._validation import NON_FINITE_INPUT
+from keras_duq._validation import NON_FINITE_STEP
+from keras_duq._validation import DUQBatchError
 from keras_duq._validation import finite_row_mask
 from keras_duq._validation import is_float
+from keras_duq._validation import is_one_hot
+from keras_duq._validation import label_codes
 from keras_duq._validation import label_dtype_message
+from keras_duq._validation import one_hot_codes
 from keras_duq._validation import own_loss_message
 from keras_duq._validation import standardize_inputs
-from keras_duq._values import optimizer_steps
 
 # The paper's coupled weight decay, which a model's `weight_decay=None`
 # applies under SGD (`Trainer._weight_decay_in_effect`).
@@ -376,7 +375,7 @@ class DUQModelAttributes(Protocol):
     _bce_tracker: keras.metrics.Mean
     _penalty_tracker: keras.metrics.Mean
     _accuracy_tracker: keras.metrics.Mean
-    _health_trackers: list[keras.metrics.Mean]
+    _step_metrics: list[keras.metrics.Metric]
     # The feature extractor with the penalty's probe at `penalty_input`.
     _probed_feature_extractor: keras.Model
 
@@ -641,10 +640,8 @@ class Trainer:
                 else batch_size * ops.cast(penalised, "float32")
             )
             self._penalty_tracker.update_state(ops.mean(penalty), sample_weight=weight)
-        if self._health_trackers:
-            _health.update_batch_metrics(
-                self._health_trackers, log_kernel, penalty, weight
-            )
+        for metric in self._step_metrics:
+            metric.update_state(log_kernel, penalty, weight)
         correct = ops.cast(
             ops.equal(
                 ops.argmax(log_kernel, axis=-1), ops.argmax(labels_one_hot, axis=-1)

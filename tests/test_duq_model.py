@@ -643,18 +643,24 @@ def test_penalty_gradient_survives_float16_underflow(policy, monkeypatch):
     assert error(unscaled) > 0.5, error(unscaled)
 
 
+@pytest.fixture(scope="module")
+def mirrored_reports():
+    # Two logical CPUs must be configured before TensorFlow starts: a fresh
+    # process, which runs every case below (one TensorFlow start).
+    return harness.run("mirrored.py", backend="tensorflow")
+
+
 @pytest.mark.requires_backend("tensorflow")  # tf.distribute
 @pytest.mark.parametrize(
     "head, length_scale",
     [("per_class", "0.5"), ("shared", "0.5"), ("per_class", "auto"), ("shared", "auto")],
 )
-def test_mirrored_strategy_matches_one_device(head, length_scale):
-    # Two logical CPUs must be configured before TensorFlow starts: a fresh
-    # process. Without the cross-replica sum in update_centroids the weights
-    # differ by ~0.8 here (measured), the replicas' centroid copies agreeing.
-    # With `"auto"` the length scale follows the spread of the global batch
-    # (the replicas see different classes, so their own spreads differ).
-    report = harness.run("mirrored.py", backend="tensorflow", args=[head, length_scale])
+def test_mirrored_strategy_matches_one_device(mirrored_reports, head, length_scale):
+    # Without the cross-replica sum in update_centroids the weights differ by
+    # ~0.8 here (measured), the replicas' centroid copies agreeing. With
+    # `"auto"` the length scale follows the spread of the global batch (the
+    # replicas see different classes, so their own spreads differ).
+    report = mirrored_reports[f"{head}-{length_scale}"]
     assert report["replicas"] == 2 and report["copies"] == 2
     assert report["copy_difference"] == 0.0
     assert report["difference"] < 1e-5
@@ -672,6 +678,7 @@ def _free_ports(count):
     return ports
 
 
+@pytest.mark.slow  # three processes, each starting TensorFlow
 @pytest.mark.requires_backend("tensorflow")  # tf.distribute
 def test_multi_worker_mirrored_strategy_matches_one_process(tmp_path):
     # Two worker processes on 127.0.0.1 (one CPU replica each) train on

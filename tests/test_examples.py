@@ -68,6 +68,7 @@ def test_two_moons(tmp_path, monkeypatch, recwarn):
     assert (tmp_path / "certainty_maps.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow  # about 25 s of training; CI runs it with the slow tests
 def test_fashion_mnist(tmp_path, monkeypatch, keras_home, mnist_dir):
     argv = ["--quick", "--mnist-path", str(mnist_dir), "--output-dir", str(tmp_path)]
     result = run_example("fashion_mnist.py", argv, monkeypatch)

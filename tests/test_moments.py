@@ -9,9 +9,10 @@ import tensorflow as tf
 from keras.src.backend.tensorflow import nn as keras_tf_nn
 
 import keras_duq
-from keras_duq import _moments
+from keras_duq import _compat
+from keras_duq import _tensorflow_trainer as _moments
 
-# TensorFlow's second-order batch moments (keras_duq._moments).
+# TensorFlow's second-order batch moments (keras_duq._tensorflow_trainer).
 pytestmark = pytest.mark.requires_backend("tensorflow")
 
 
@@ -90,7 +91,7 @@ def test_penalty_leaves_a_bias_before_batch_normalization_alone(float64):
 
 
 def test_swap_is_undone_after_nested_and_failing_blocks():
-    assert _moments.is_supported()  # else this Keras needs a new swap point
+    assert _compat.batch_moments_supported()  # else this Keras needs a new swap point
     original = keras_tf_nn._compute_moments
     with _moments.second_order_moments():
         swapped = keras_tf_nn._compute_moments

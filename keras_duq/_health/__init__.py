@@ -21,14 +21,13 @@ from keras_duq._health import rules
 from keras_duq._health.callback import HealthCheck
 from keras_duq._health.callback import sample_inputs
 from keras_duq._health.callback import with_health_check
+from keras_duq._health.checks import BatchHealth
 from keras_duq._health.checks import ModeComparison
-from keras_duq._health.checks import batch_trackers
 from keras_duq._health.checks import check_final_state
 from keras_duq._health.checks import check_predictions
 from keras_duq._health.checks import feature_noise_layer
 from keras_duq._health.checks import out_of_distribution
 from keras_duq._health.checks import state_of
-from keras_duq._health.checks import update_batch_metrics
 from keras_duq._health.warning_types import BatchNormStatisticsWarning
 from keras_duq._health.warning_types import CentroidWarning
 from keras_duq._health.warning_types import ConstantPenaltyWarning
@@ -40,6 +39,7 @@ from keras_duq._health.warning_types import LowCertaintyWarning
 from keras_duq._health.warning_types import PaddingWarning
 
 __all__ = [
+    "BatchHealth",
     "BatchNormStatisticsWarning",
     "CentroidWarning",
     "ConstantPenaltyWarning",
@@ -51,7 +51,6 @@ __all__ = [
     "LowCertaintyWarning",
     "ModeComparison",
     "PaddingWarning",
-    "batch_trackers",
     "check_final_state",
     "check_predictions",
     "feature_noise_layer",
@@ -59,6 +58,5 @@ __all__ = [
     "rules",
     "sample_inputs",
     "state_of",
-    "update_batch_metrics",
     "with_health_check",
 ]

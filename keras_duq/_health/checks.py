@@ -1,7 +1,7 @@
 """The checks: each reads numbers a model already has and warns once per cause.
 
 Also what the checks keep per model between calls (the warn-once rule), and
-the per-batch health metrics that the training and test steps update.
+the metric of per-batch health numbers that the training and test steps update.
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ from keras_duq._health.warning_types import InputScaleWarning
 from keras_duq._health.warning_types import KernelUnderflowWarning
 from keras_duq._health.warning_types import LowCertaintyWarning
 from keras_duq._health.warning_types import PaddingWarning
+from keras_duq._ops import optimizer_steps
+from keras_duq._ops import to_float64
 from keras_duq._typing import Tensor
 from keras_duq._validation import is_float
-from keras_duq._values import optimizer_steps
-from keras_duq._values import to_float64
 
 if TYPE_CHECKING:
     from keras_duq._duq_model import DUQModel
@@ -102,45 +102,70 @@ def warn_once(model, cause, category, message):
     warnings.warn(f"{model.name}: {message}", category, stacklevel=3)
 
 
-def batch_trackers(gradient_penalty: float, penalty: str) -> list[keras.metrics.Mean]:
-    """The per-batch health metrics of a model with this penalty."""
-    trackers = [
-        keras.metrics.Mean(name="certainty"),
-        keras.metrics.Mean(name="underflow"),
-    ]
-    if gradient_penalty > 0 and penalty == "two_sided":
-        trackers.append(keras.metrics.Mean(name="zero_input_gradient"))
-    return trackers
+class BatchHealth(keras.metrics.Metric):
+    """The health numbers of each training or test batch, as one metric.
 
+    Logged as `certainty` (mean largest kernel value), `underflow` (share of
+    examples whose largest kernel value underflows float32) and, with the
+    two-sided penalty, `zero_input_gradient` (share of examples whose input
+    gradient is ~0: the penalty is constant for them). `DUQModel` adds it to
+    its metrics with `health_checks=True`; the step updates it from values
+    it has already, `update_state(log_kernel, penalty, penalty_weight)`
+    (`penalty_weight` 0 on the steps of a lazy penalty that skip it), and
+    `HealthCheck` reads the logs at each epoch's end.
 
-def update_batch_metrics(
-    trackers: list[keras.metrics.Mean],
-    log_kernel: Tensor,
-    penalty: Tensor | None,
-    penalty_weight: float | Tensor,
-) -> None:
-    """Updates `batch_trackers` from one step's log kernel values and penalty.
-
-    `penalty_weight` weighs the batch's zero-gradient fraction (0 on the
-    steps of a lazy penalty that did not compute it).
+    Args:
+        zero_gradient: bool, whether to log `zero_input_gradient`.
+        name: the metric's name.
     """
-    certainty, underflow, *zero_gradient = trackers
-    max_log_kernel = ops.max(log_kernel, axis=-1)
-    certainty.update_state(ops.exp(max_log_kernel))
-    underflow.update_state(
-        ops.cast(max_log_kernel < rules.UNDERFLOW_LOG_KERNEL, "float32")
-    )
-    if zero_gradient and penalty is not None:
-        # The two-sided penalty is `(||g|| - 1)^2`: within this band the norm
-        # is ~0 (or, never in practice, ~2).
-        band = _ops.gradient_penalty(
-            ops.convert_to_tensor([rules.ZERO_GRADIENT_NORM, 0.0], "float32"),
-            "two_sided",
+
+    def __init__(self, zero_gradient: bool = False, name: str = "health") -> None:
+        super().__init__(name=name)
+        self.zero_gradient = zero_gradient
+        self._totals = [
+            self.add_variable(shape=(), initializer="zeros", name=total)
+            for total in ("certainty", "underflow", "examples", "zero", "weight")
+        ]
+
+    def update_state(
+        self,
+        log_kernel: Tensor,
+        penalty: Tensor | None = None,
+        penalty_weight: float | Tensor | None = None,
+    ) -> None:
+        certainty, underflow, examples, zero, weight = self._totals
+        max_log_kernel = ops.max(ops.cast(log_kernel, "float32"), axis=-1)
+        certainty.assign_add(ops.sum(ops.exp(max_log_kernel)))
+        underflow.assign_add(
+            ops.sum(ops.cast(max_log_kernel < rules.UNDERFLOW_LOG_KERNEL, "float32"))
         )
-        flat = ops.logical_and(penalty >= band[0], penalty <= band[1])
-        zero_gradient[0].update_state(
-            ops.mean(ops.cast(flat, "float32")), sample_weight=penalty_weight
-        )
+        examples.assign_add(ops.cast(ops.shape(max_log_kernel)[0], "float32"))
+        if self.zero_gradient and penalty is not None:
+            # The two-sided penalty is `(||g|| - 1)^2`: within this band the
+            # norm is ~0 (or, never in practice, ~2).
+            band = _ops.gradient_penalty(
+                ops.convert_to_tensor([rules.ZERO_GRADIENT_NORM, 0.0], "float32"),
+                "two_sided",
+            )
+            flat = ops.logical_and(penalty >= band[0], penalty <= band[1])
+            batch_weight = ops.cast(
+                1.0 if penalty_weight is None else penalty_weight, "float32"
+            )
+            zero.assign_add(ops.mean(ops.cast(flat, "float32")) * batch_weight)
+            weight.assign_add(batch_weight)
+
+    def result(self) -> dict[str, Tensor]:
+        certainty, underflow, examples, zero, weight = self._totals
+        results = {
+            "certainty": ops.divide_no_nan(certainty, examples),
+            "underflow": ops.divide_no_nan(underflow, examples),
+        }
+        if self.zero_gradient:
+            results["zero_input_gradient"] = ops.divide_no_nan(zero, weight)
+        return results
+
+    def get_config(self) -> dict[str, Any]:
+        return {"zero_gradient": self.zero_gradient, "name": self.name}
 
 
 class ModeComparison:

@@ -1,7 +1,7 @@
 """The cost of checking in-memory data before `fit`: FashionMNIST's 60,000 images.
 
 `fit`, `evaluate` and `predict` check in-memory inputs and labels whole
-before the first step (`keras_duq._data_checks.check_arrays`). This times
+before the first step (`keras_duq._validation.check_arrays`). This times
 that check on the FashionMNIST training set as `uint8` (no finiteness pass:
 integers are always finite) and standardised to float32, best of `--repeats`.
 
@@ -17,7 +17,7 @@ import time
 
 import keras
 
-from keras_duq import _data_checks
+from keras_duq import _validation
 from keras_duq import datasets
 
 
@@ -40,7 +40,7 @@ def main(argv=None):
     results = {}
     for name, x in (("uint8", x_uint8[..., None]), ("float32", x_float)):
         results[name] = best_time(
-            lambda x=x: _data_checks.check_arrays("fit", spec, x, y, 10, "x"),
+            lambda x=x: _validation.check_arrays("fit", spec, x, y, 10, "x"),
             args.repeats,
         )
     record = {

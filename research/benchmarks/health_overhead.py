@@ -122,14 +122,14 @@ def main(argv=None):
     )
     # The added computation alone, in a compiled function as in the step:
     # robust to a busy machine, where the step-time ratio is noisy.
-    trackers = models[True]._health_trackers
+    (health,) = models[True]._step_metrics
     log_kernel = tf.constant(
         rng.normal(-5.0, 3.0, size=(args.batch_size, 10)), "float32"
     )
     penalty = tf.constant(rng.uniform(0.0, 1.0, size=args.batch_size), "float32")
     weight = tf.constant(float(args.batch_size))
     update = tf.function(
-        lambda: _health.update_batch_metrics(trackers, log_kernel, penalty, weight),
+        lambda: health.update_state(log_kernel, penalty, weight),
         autograph=False,
     )
     metric_update = seconds(lambda: [update() for _ in range(100)]) / 100

@@ -24,8 +24,8 @@ import numpy as np
 import tensorflow as tf
 
 import keras_duq
-from keras_duq import _moments
 from keras_duq import _ops
+from keras_duq import _tensorflow_trainer
 from research.reproduction import fashion_mnist
 
 STATE = os.path.join(
@@ -51,7 +51,7 @@ def main():
     )
     args = parser.parse_args()
     if args.tf_nn_moments:
-        _moments.second_order_moments = contextlib.nullcontext
+        _tensorflow_trainer.second_order_moments = contextlib.nullcontext
     keras.backend.clear_session()
     keras.utils.set_random_seed(0)
     keras.config.set_floatx(args.dtype)

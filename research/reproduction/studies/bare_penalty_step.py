@@ -9,7 +9,7 @@ ways (`--check` prints how far each one's weight gradients are from
 `exact`'s):
 
 - `exact`: mean and variance as keras_duq computes them in the penalty step
-  (`keras_duq/_moments.py`), then `tf.nn.batch_normalization`;
+  (`second_order_moments` in `keras_duq/_tensorflow_trainer.py`), then `tf.nn.batch_normalization`;
 - `stopgrad`: `tf.nn.moments`'s formula (variance around a stopped mean),
   which drops a second-order term;
 - `fused`: `tf.compat.v1.nn.fused_batch_norm` (oneDNN's fused kernel);
