@@ -122,10 +122,11 @@ class BatchHealth(keras.metrics.Metric):
     def __init__(self, zero_gradient: bool = False, name: str = "health") -> None:
         super().__init__(name=name)
         self.zero_gradient = zero_gradient
-        self._totals = [
-            self.add_variable(shape=(), initializer="zeros", name=total)
-            for total in ("certainty", "underflow", "examples", "zero", "weight")
-        ]
+        # One variable of sums, [certainty, underflow, examples, zero-gradient
+        # share x weight, weight]: one `assign_add` per step and one reset per
+        # `train_on_batch`; five variables made a 26-class MLP's
+        # `train_on_batch` 14% slower (2 ms, mostly their eager resets).
+        self.totals = self.add_variable(shape=(5,), initializer="zeros", name="totals")
 
     def update_state(
         self,
@@ -133,13 +134,13 @@ class BatchHealth(keras.metrics.Metric):
         penalty: Tensor | None = None,
         penalty_weight: float | Tensor | None = None,
     ) -> None:
-        certainty, underflow, examples, zero, weight = self._totals
         max_log_kernel = ops.max(ops.cast(log_kernel, "float32"), axis=-1)
-        certainty.assign_add(ops.sum(ops.exp(max_log_kernel)))
-        underflow.assign_add(
-            ops.sum(ops.cast(max_log_kernel < rules.UNDERFLOW_LOG_KERNEL, "float32"))
-        )
-        examples.assign_add(ops.cast(ops.shape(max_log_kernel)[0], "float32"))
+        sums = [
+            ops.sum(ops.exp(max_log_kernel)),
+            ops.sum(ops.cast(max_log_kernel < rules.UNDERFLOW_LOG_KERNEL, "float32")),
+            ops.cast(ops.shape(max_log_kernel)[0], "float32"),
+        ]
+        zero, weight = 0.0, 0.0
         if self.zero_gradient and penalty is not None:
             # The two-sided penalty is `(||g|| - 1)^2`: within this band the
             # norm is ~0 (or, never in practice, ~2).
@@ -148,14 +149,17 @@ class BatchHealth(keras.metrics.Metric):
                 "two_sided",
             )
             flat = ops.logical_and(penalty >= band[0], penalty <= band[1])
-            batch_weight = ops.cast(
+            weight = ops.cast(
                 1.0 if penalty_weight is None else penalty_weight, "float32"
             )
-            zero.assign_add(ops.mean(ops.cast(flat, "float32")) * batch_weight)
-            weight.assign_add(batch_weight)
+            zero = ops.mean(ops.cast(flat, "float32")) * weight
+        sums += [ops.cast(zero, "float32"), ops.cast(weight, "float32")]
+        self.totals.assign_add(ops.stack(sums))
 
     def result(self) -> dict[str, Tensor]:
-        certainty, underflow, examples, zero, weight = self._totals
+        certainty, underflow, examples, zero, weight = ops.unstack(
+            ops.convert_to_tensor(self.totals)
+        )
         results = {
             "certainty": ops.divide_no_nan(certainty, examples),
             "underflow": ops.divide_no_nan(underflow, examples),
@@ -244,8 +248,9 @@ def check_underflow(model, fraction, mode, where):
             "high), the features differ between the modes (see "
             "`BatchNormStatisticsWarning`) or these inputs differ from the "
             "training inputs (scale, preprocessing). Otherwise the fixes for "
-            "training apply. " + _length_scale_fix(model.duq_output) +
-            "For out-of-distribution inputs, a certainty of 0 is what DUQ "
+            "training apply. "
+            + _length_scale_fix(model.duq_output)
+            + "For out-of-distribution inputs, a certainty of 0 is what DUQ "
             "should give: ignore this warning then."
         )
     warn_once(
@@ -451,7 +456,7 @@ def _length_scale_fix(layer):
     if layer.length_scale != "auto":
         return (
             f"The length scale is fixed at {layer.length_scale:g}: leave "
-            "`length_scale` at its default, `\"auto\"`, which measures it and the "
+            '`length_scale` at its default, `"auto"`, which measures it and the '
             "centroids' start on the features at the start of `fit` "
             "(docs/guide/how_it_works.md), or pass a larger one. "
         )
