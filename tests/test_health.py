@@ -115,6 +115,35 @@ def test_zero_input_gradient_counts_examples_whose_input_gradient_is_zero():
         assert "zero_input_gradient" not in logged and "certainty" in logged
 
 
+def test_batch_health_averages_each_number_over_its_examples_or_penalised_batches():
+    # `certainty` and `underflow` over every example; `zero_input_gradient`
+    # over the batches that computed the penalty, weighted by their size (a
+    # lazy penalty's skipped step has weight 0).
+    from keras_duq._health import BatchHealth
+
+    health = BatchHealth(zero_gradient=True)
+    for log_kernel, penalty, weight in (
+        ([[np.log(0.5), np.log(0.1)], [-100.0, -120.0]], [1.0, 0.0], 2.0),
+        ([[0.0, -1.0]], [1.0], 0.0),
+        ([[np.log(0.2), -5.0]], [1.0], 1.0),
+    ):
+        health.update_state(
+            keras.ops.convert_to_tensor(np.array(log_kernel, "float32")),
+            keras.ops.convert_to_tensor(np.array(penalty, "float32")),
+            weight,
+        )
+    result = {
+        k: float(keras.ops.convert_to_numpy(v)) for k, v in health.result().items()
+    }
+    assert result["certainty"] == pytest.approx((0.5 + 0.0 + 1.0 + 0.2) / 4, rel=1e-6)
+    assert result["underflow"] == pytest.approx(1 / 4)
+    assert result["zero_input_gradient"] == pytest.approx((0.5 * 2 + 1.0) / 3, rel=1e-6)
+    health.reset_state()
+    assert all(
+        float(keras.ops.convert_to_numpy(v)) == 0.0 for v in health.result().values()
+    )
+
+
 def test_health_checks_false_logs_and_warns_nothing():
     model = _model(**UNDERFLOWING, health_checks=False)
     x, y = _data()
