@@ -26,7 +26,7 @@ behaviour degrades with one warning instead of failing.
    (`ArrayDataAdapter`, which shuffles indices and gathers batches), and
    `split_validation(...)`, the split behind `fit(validation_split=...)`, so
    that keras_duq can feed `fit` the same batches with `tf.data`'s
-   autotuning off (see `_validation.quiet_array_inputs`). Degrades
+   autotuning off (see `_tensorflow_trainer._quiet_array_inputs`). Degrades
    to: Keras's own pipeline, whose whole `fit` can take up to twice its
    steps' time.
 5. `all_layers(layer)`: every layer nested in `layer`, also inside a user's

@@ -6,7 +6,9 @@ import contextlib
 import copy
 import functools
 import inspect
+import logging
 import os
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 from typing import Any
 
@@ -488,7 +490,8 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
             self.optimizer.build(self.trainable_variables)
 
     # On TensorFlow, in-memory arrays reach Keras as the same batches in a
-    # pipeline without tf.data's autotuning (`quiet_array_inputs`).
+    # pipeline without tf.data's autotuning
+    # (`_tensorflow_trainer._quiet_array_inputs`).
 
     def _prepared_call(self, method, name, args, kwargs):
         """`(args, kwargs)` for the Keras `method`: data checked whole, a
@@ -595,9 +598,7 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
         with _failed_call_guard(self), _empty_data_error("evaluate"):
             results = super().evaluate(*args, **kwargs)
         if float(self._objective_tracker.count) == 0:
-            raise ValueError(
-                _validation.EMPTY_STREAM_MESSAGE.format(method="evaluate")
-            )
+            raise ValueError(_validation.EMPTY_STREAM_MESSAGE.format(method="evaluate"))
         return results
 
     @_documented(
@@ -617,7 +618,7 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
         with (
             _failed_call_guard(self),
             _empty_data_error("predict"),
-            _validation.quiet_retracing(),
+            quiet_retracing(),
         ):
             kernel_values = super().predict(*args, **kwargs)
         if self.health_checks:
@@ -821,3 +822,27 @@ def _empty_data_error(method):
         raise ValueError(
             _validation.EMPTY_STREAM_MESSAGE.format(method=method)
         ) from error
+
+
+class _RetracingFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "triggered tf.function retracing" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def quiet_retracing() -> Iterator[None]:
+    """Drops TensorFlow's retracing warning inside the block.
+
+    Every model traces its own `predict` function once, and TensorFlow
+    counts the traces of all models' functions together: from the sixth
+    model on (a search's trials, the examples' several models), it reports
+    excessive retracing although nothing is traced twice. Other messages
+    pass; the filter is removed afterwards.
+    """
+    logger = logging.getLogger("tensorflow")
+    retracing_filter = _RetracingFilter()
+    logger.addFilter(retracing_filter)
+    try:
+        yield
+    finally:
+        logger.removeFilter(retracing_filter)

@@ -3,7 +3,8 @@
 Everything else in keras_duq (the layer, the model, the metrics) calls these
 functions, so that the kernel, the loss, the gradient penalty and the centroid
 moving average are defined once. All functions take and return float32
-tensors; callers are responsible for casting.
+tensors; callers are responsible for casting. The last two, `to_float64`
+and `optimizer_steps`, read values back to NumPy and Python on any backend.
 """
 
 from __future__ import annotations

@@ -279,7 +279,7 @@ class TensorFlowTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
 
     @staticmethod
     def prepare_arguments(method, arguments):
-        return _validation.quiet_array_inputs(method, arguments)
+        return _quiet_array_inputs(method, arguments)
 
     def _validated_batch(self, x, y, sample_weight):
         """`(x, labels_one_hot, sample_weight, checks)`: the checks as graph ops.
@@ -496,7 +496,9 @@ def _labels_of_unknown_format(y, num_classes):
     candidate = tf.where(is_one_hot, tf.zeros_like(flat), flat)
     indices_one_hot, code = _trainer.labels_to_one_hot(candidate, num_classes)
     # A shape that is neither is the batch's error, before its values'.
-    shape_code = tf.where(tf.logical_or(is_one_hot, is_indices), 0, _validation.LABEL_SHAPE)
+    shape_code = tf.where(
+        tf.logical_or(is_one_hot, is_indices), 0, _validation.LABEL_SHAPE
+    )
     code = _trainer.first_error(tf.cast(shape_code, code.dtype), code)
     one_hot = tf.cond(
         is_one_hot,
@@ -510,3 +512,63 @@ def _labels_of_unknown_format(y, num_classes):
     )
     code = _trainer.first_error(code, tf.cast(row_code, code.dtype))
     return one_hot, code
+
+
+def _quiet_array_inputs(method, arguments):
+    """`fit`/`evaluate`/`predict` arguments, in-memory arrays fed without autotuning.
+
+    Keras feeds arrays through a `tf.data` pipeline with autotuning on, and
+    dropping such an iterator before its end, as `fit` does after each
+    epoch's last step, sometimes waits for the autotuning thread's next
+    wake-up. The same pipeline with autotuning off gives the same batches
+    without the wait. `arguments` maps every parameter
+    name of the Keras method to its value; datasets, generators and other
+    inputs pass through unchanged.
+    """
+    arguments = dict(arguments)
+    x, y, weights = (arguments.get(k) for k in ("x", "y", "sample_weight"))
+    if not _compat.is_array_data(x, y, weights):
+        return arguments
+    if method == "predict":
+        arguments["x"] = _compat.array_dataset(
+            x, batch_size=arguments["batch_size"], steps=arguments["steps"]
+        )
+        arguments["batch_size"] = None
+        return arguments
+    if method == "evaluate":
+        arguments["x"] = _compat.array_dataset(
+            x, y, weights, batch_size=arguments["batch_size"], steps=arguments["steps"]
+        )
+        arguments.update(y=None, sample_weight=None, batch_size=None)
+        return arguments
+    if arguments["validation_split"] and arguments["validation_data"] is None:
+        (x, y, weights), validation = _compat.split_validation(
+            (x, y, weights), arguments["validation_split"]
+        )
+        arguments.update(validation_data=validation, validation_split=0.0)
+    validation = arguments["validation_data"]
+    if validation is not None:
+        val_x, val_y, val_weights = keras.utils.unpack_x_y_sample_weight(validation)
+        if _compat.is_array_data(val_x, val_y, val_weights):
+            arguments["validation_data"] = _compat.array_dataset(
+                val_x,
+                val_y,
+                val_weights,
+                batch_size=arguments["validation_batch_size"]
+                or arguments["batch_size"],
+                steps=arguments["validation_steps"],
+            )
+            arguments["validation_batch_size"] = None
+    arguments["x"] = _compat.array_dataset(
+        x,
+        y,
+        weights,
+        batch_size=arguments["batch_size"],
+        steps=arguments["steps_per_epoch"],
+        shuffle=arguments["shuffle"],
+        class_weight=arguments["class_weight"],
+    )
+    arguments.update(
+        y=None, sample_weight=None, class_weight=None, batch_size=None, shuffle=False
+    )
+    return arguments

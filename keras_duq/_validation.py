@@ -13,17 +13,12 @@ returns NaN for such rows), and the labels' format and values. A batch check
 inside the step would find a bad label only when its batch comes, after the
 earlier batches have trained the model. Streams (`tf.data`, generators,
 `PyDataset`) are checked batch by batch in the step; an empty
-`tf.data.Dataset` of known size is rejected here. Also how `fit`, `evaluate`
-and `predict` feed in-memory arrays on TensorFlow, and a filter for
-TensorFlow's retracing warning that several models set off.
+`tf.data.Dataset` of known size is rejected here.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import keras
@@ -286,7 +281,9 @@ def one_hot_codes(labels: Any, xp: Any) -> Any:
     one-hot row is, for `xp` = `numpy` or `keras.ops` as in `label_codes`.
     """
     binary = xp.logical_or(xp.equal(labels, 0), xp.equal(labels, 1))
-    valid = xp.logical_and(xp.all(binary, axis=-1), xp.equal(xp.sum(labels, axis=-1), 1))
+    valid = xp.logical_and(
+        xp.all(binary, axis=-1), xp.equal(xp.sum(labels, axis=-1), 1)
+    )
     codes = xp.where(valid, 0, SOFT_LABEL)
     if is_float(labels.dtype):
         finite = xp.all(xp.isfinite(labels), axis=-1)
@@ -476,8 +473,13 @@ def _is_text(value):
     if isinstance(value, (list, tuple)) and value and isinstance(value[0], str):
         return True
     dtype = getattr(value, "dtype", None)
-    return isinstance(dtype, np.dtype) and dtype.kind in "USO" and (
-        dtype.kind != "O" or (value.size and isinstance(value.flat[0], (str, bytes)))
+    return (
+        isinstance(dtype, np.dtype)
+        and dtype.kind in "USO"
+        and (
+            dtype.kind != "O"
+            or (value.size and isinstance(value.flat[0], (str, bytes)))
+        )
     )
 
 
@@ -520,9 +522,11 @@ def _check_class_weight(class_weight, num_classes):
                 "build the model with the right `num_classes`. Received: "
                 f"`class_weight={class_weight!r}`"
             )
-        if isinstance(weight, bool) or not isinstance(
-            weight, (int, float, np.number)
-        ) or not (np.isfinite(weight) and weight >= 0):
+        if (
+            isinstance(weight, bool)
+            or not isinstance(weight, (int, float, np.number))
+            or not (np.isfinite(weight) and weight >= 0)
+        ):
             raise ValueError(
                 "Expected each `class_weight` value to be a finite number >= 0. "
                 f"Received: `class_weight[{key!r}]={weight!r}`"
@@ -667,87 +671,3 @@ EMPTY_STREAM_MESSAGE = (
     "`{method}` received empty data: its input yielded no batches. Check the "
     "dataset, generator or `PyDataset` passed as `x` (and `steps`, if given)."
 )
-
-
-def quiet_array_inputs(method, arguments):
-    """`fit`/`evaluate`/`predict` arguments, in-memory arrays fed without autotuning.
-
-    Keras feeds arrays through a `tf.data` pipeline with autotuning on, and
-    dropping such an iterator before its end, as `fit` does after each
-    epoch's last step, sometimes waits for the autotuning thread's next
-    wake-up. The same pipeline with autotuning off gives the same batches
-    without the wait. `arguments` maps every parameter
-    name of the Keras method to its value; datasets, generators and other
-    inputs pass through unchanged.
-    """
-    arguments = dict(arguments)
-    x, y, weights = (arguments.get(k) for k in ("x", "y", "sample_weight"))
-    if not _compat.is_array_data(x, y, weights):
-        return arguments
-    if method == "predict":
-        arguments["x"] = _compat.array_dataset(
-            x, batch_size=arguments["batch_size"], steps=arguments["steps"]
-        )
-        arguments["batch_size"] = None
-        return arguments
-    if method == "evaluate":
-        arguments["x"] = _compat.array_dataset(
-            x, y, weights, batch_size=arguments["batch_size"], steps=arguments["steps"]
-        )
-        arguments.update(y=None, sample_weight=None, batch_size=None)
-        return arguments
-    if arguments["validation_split"] and arguments["validation_data"] is None:
-        (x, y, weights), validation = _compat.split_validation(
-            (x, y, weights), arguments["validation_split"]
-        )
-        arguments.update(validation_data=validation, validation_split=0.0)
-    validation = arguments["validation_data"]
-    if validation is not None:
-        val_x, val_y, val_weights = keras.utils.unpack_x_y_sample_weight(validation)
-        if _compat.is_array_data(val_x, val_y, val_weights):
-            arguments["validation_data"] = _compat.array_dataset(
-                val_x,
-                val_y,
-                val_weights,
-                batch_size=arguments["validation_batch_size"]
-                or arguments["batch_size"],
-                steps=arguments["validation_steps"],
-            )
-            arguments["validation_batch_size"] = None
-    arguments["x"] = _compat.array_dataset(
-        x,
-        y,
-        weights,
-        batch_size=arguments["batch_size"],
-        steps=arguments["steps_per_epoch"],
-        shuffle=arguments["shuffle"],
-        class_weight=arguments["class_weight"],
-    )
-    arguments.update(
-        y=None, sample_weight=None, class_weight=None, batch_size=None, shuffle=False
-    )
-    return arguments
-
-
-class _RetracingFilter(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "triggered tf.function retracing" not in record.getMessage()
-
-
-@contextlib.contextmanager
-def quiet_retracing() -> Iterator[None]:
-    """Drops TensorFlow's retracing warning inside the block.
-
-    Every model traces its own `predict` function once, and TensorFlow
-    counts the traces of all models' functions together: from the sixth
-    model on (a search's trials, the examples' several models), it reports
-    excessive retracing although nothing is traced twice. Other messages
-    pass; the filter is removed afterwards.
-    """
-    logger = logging.getLogger("tensorflow")
-    retracing_filter = _RetracingFilter()
-    logger.addFilter(retracing_filter)
-    try:
-        yield
-    finally:
-        logger.removeFilter(retracing_filter)

@@ -53,11 +53,11 @@ import keras
 import numpy as np
 from numpy.typing import ArrayLike
 
+from keras_duq._duq_model import quiet_retracing
 from keras_duq._validation import NON_FINITE_TRAINING_MESSAGE
 from keras_duq._validation import check_int
 from keras_duq._validation import check_positive_int
 from keras_duq._validation import non_finite_rows
-from keras_duq._validation import quiet_retracing
 from keras_duq._wrap import argument_names
 from keras_duq._wrap import wrap
 from keras_duq.evaluation import misclassification_auroc
