@@ -34,6 +34,7 @@ PROBLEMS = (
     "two_moons",
     "wine",
     "digits_held_out",
+    "letters_held_out",
     "fashion_mnist",
     "clinc150",
     "banking77_held_out",

@@ -4,8 +4,8 @@ For each backend (one subprocess each, `KERAS_BACKEND` set), builds the
 paper's FashionMNIST CNN with a 10-class DUQ head, trains it for three epochs
 on 2,048 FashionMNIST training images (so that certainties are those of a
 model that has learned something), exports it with `certainty_threshold`
-and a `calibrator` to every format that backend writes (`keras_duq._export.
-SERVING_FORMATS`), loads each export in its runtime and times one request
+and a `calibrator` to every format that backend writes (`FORMATS`, as
+docs/guide/serving.md lists them), loads each export in its runtime and times one request
 at batch 1 and at batch 256 (FashionMNIST test images), beside
 `model.predict` and a direct `model(x)` call in the same process. A time is the median
 seconds per call over `--windows` interleaved windows after warm-up
@@ -41,6 +41,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 BACKENDS = ("tensorflow", "jax", "torch")
 BATCH_SIZES = (1, 256)
+# The formats each backend writes (docs/guide/serving.md's table).
+FORMATS = {
+    "tensorflow": ("tf_saved_model", "onnx", "litert", "openvino"),
+    "jax": ("tf_saved_model", "onnx", "openvino"),
+    "torch": ("onnx", "openvino", "torch", "litert"),
+}
 _SUFFIX = {
     "tf_saved_model": "",
     "onnx": ".onnx",
@@ -112,7 +118,6 @@ def measure(windows):
     import keras
     import numpy as np
 
-    from keras_duq._export import SERVING_FORMATS
     from keras_duq.evaluation import CertaintyCalibrator
     from research.benchmarks.speed import build
     from research.benchmarks.speed import interleaved_seconds
@@ -139,7 +144,7 @@ def measure(windows):
     }
     sizes, differences, errors = {}, {}, {}
     folder = tempfile.mkdtemp()
-    for format in SERVING_FORMATS[backend]:
+    for format in FORMATS[backend]:
         # A LiteRT file from PyTorch has a fixed batch size: one per size.
         fixed = format == "litert" and backend == "torch"
         paths = {

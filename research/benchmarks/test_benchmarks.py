@@ -438,3 +438,31 @@ def test_recipe_held_out_classes_keep_unknown_classes_for_ood_only():
     # classes land on 1 and 3's standardised positions, never on these.
     known_rows = np.concatenate([x_train, x_test])
     assert np.abs(spec["ood"][:, :1] - known_rows[:, 0][None]).min() > 0.1
+
+
+def test_letters_held_out_trains_on_13_letters_and_keeps_the_others_for_ood(
+    tmp_path, monkeypatch
+):
+    from research.benchmarks import recipe
+
+    rows = ["Letter," + ",".join(str(i) for i in range(1, 17))]
+    for letter in "ABCDEFGHIJKLMNOPQRSTUVWXYZ":
+        for k in range(10):
+            value = ord(letter) - ord("A")
+            rows.append(letter + "," + ",".join(str(value + k % 3) for _ in range(16)))
+    path = tmp_path / "letter-recognition.data"
+    path.write_text("\n".join(rows) + "\n")
+    monkeypatch.setenv("LETTER_RECOGNITION_DATA", str(path))
+    spec = recipe.letters_held_out(seed=0)
+    assert spec["num_classes"] == 13
+    assert len(spec["train"][0]) + len(spec["test"][0]) == 130
+    assert len(spec["ood"]) == 130 and spec["train"][0].shape[1] == 16
+    assert set(spec["train"][1]) <= set(range(13))
+
+
+def test_letters_held_out_without_its_file_names_the_variable_to_set(monkeypatch):
+    from research.benchmarks import recipe
+
+    monkeypatch.setenv("LETTER_RECOGNITION_DATA", "/nonexistent/letters.data")
+    with pytest.raises(ValueError, match="LETTER_RECOGNITION_DATA"):
+        recipe.letters_held_out(seed=0)
