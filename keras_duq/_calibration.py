@@ -32,8 +32,8 @@ class CertaintyCalibrator:
     two classes was. Fitted on the kernel values `(num_examples,
     num_classes)`, the calibrator uses both: a logistic regression of
     `correct` on the distance (`log` of the largest kernel value) and the
-    ambiguity (its margin over the second largest, in `log` space), kept as
-    `weights` (two floats) and `bias`. Fitted on certainties
+    ambiguity (its margin over the second largest, and over the mean of all
+    classes, in `log` space), kept as `weights` (three floats) and `bias`. Fitted on certainties
     `(num_examples,)` (or softmax and ensemble confidences), it is an
     isotonic regression (scikit-learn's `IsotonicRegression`, increasing,
     values in `[0, 1]`), kept as two float32 arrays `thresholds` and
@@ -65,8 +65,10 @@ class CertaintyCalibrator:
             `get_config()`); leave unset and call `fit`.
         values: optional, the probabilities at `thresholds`, non-decreasing
             in `[0, 1]`.
-        weights: optional, with `bias`: a fitted map's two score weights
-            (distance, ambiguity), for a map over kernel values.
+        weights: optional, with `bias`: a fitted map's score weights
+            (distance, margin to the second class, margin to the mean; a map
+            saved with two weights uses the first two), for a map over
+            kernel values.
         bias: optional float, the score's bias.
     """
 
@@ -93,10 +95,12 @@ class CertaintyCalibrator:
             thresholds, values = _as_calibration_map(thresholds, values)
         if weights is not None:
             weights = np.asarray(weights, dtype="float32")
-            if weights.shape != (2,) or not np.isfinite(weights).all():
+            if weights.shape not in ((2,), (3,)) or not np.isfinite(weights).all():
                 raise ValueError(
-                    "Expected `weights` to be two finite floats (distance, "
-                    f"ambiguity), as in `get_config()`. Received: `weights={weights!r}`"
+                    "Expected `weights` to be three finite floats (distance, "
+                    "margin to the second class, margin to the mean), or two "
+                    "(a map saved without the last), as in `get_config()`. "
+                    f"Received: `weights={weights!r}`"
                 )
             bias = float(bias)
         self.thresholds = thresholds
@@ -277,18 +281,23 @@ class CertaintyCalibrator:
         return cls.from_config(saved["config"])
 
     def __repr__(self) -> str:
-        size = "not fitted" if not self.fitted else f"{len(self.thresholds)} knots"
+        if self.takes_kernel_values:
+            size = "on kernel values"
+        else:
+            size = "not fitted" if not self.fitted else f"{len(self.thresholds)} knots"
         return f"<CertaintyCalibrator ({size})>"
 
 
 def _score_features(kernel_values):
-    """`(..., 2)`: the distance and the ambiguity of each row of kernel values.
+    """`(..., 3)`: the distance and the ambiguity of each row of kernel values.
 
     Distance: `log` of the largest kernel value (low far from every
     centroid). Ambiguity: its margin over the second largest in `log` space
-    (small where two classes are about as close). Both from `log K` floored
-    at `LOG_KERNEL_FLOOR`. Only `keras.ops` (no `top_k`), so it runs in every
-    export format.
+    (small where two classes are about as close), and over the mean of all
+    classes (small where several are: with ten or more classes the second
+    largest alone missed it, docs/reports/mistakes.md). All from `log K`
+    floored at `LOG_KERNEL_FLOOR`. Only `keras.ops` (no `top_k`), so it runs
+    in every export format.
     """
     kernel_values = ops.cast(ops.convert_to_tensor(kernel_values), "float32")
     log_kernel = ops.maximum(
@@ -302,15 +311,21 @@ def _score_features(kernel_values):
         ops.where(ops.greater_equal(log_kernel, largest), LOG_KERNEL_FLOOR, log_kernel),
         axis=-1,
     )
+    mean = ops.mean(log_kernel, axis=-1)
     largest = ops.squeeze(largest, -1)
     second = ops.where(ops.greater(ties, 1), largest, second)
-    return ops.stack([largest, largest - second], axis=-1)
+    return ops.stack([largest, largest - second, largest - mean], axis=-1)
 
 
 def _score(features, weights, bias):
-    """The logistic regression's score (its logit) of `_score_features`."""
-    weights = ops.convert_to_tensor(np.asarray(weights, "float32"))
-    return ops.sum(ops.cast(features, "float32") * weights, axis=-1) + bias
+    """The logistic regression's score (its logit) of `_score_features`.
+
+    `weights` may be shorter than the features (a map saved with fewer):
+    the first ones are used.
+    """
+    weights = np.asarray(weights, "float32")
+    features = ops.cast(features[..., : len(weights)], "float32")
+    return ops.sum(features * ops.convert_to_tensor(weights), axis=-1) + bias
 
 
 def check_finite_scores(name, values):

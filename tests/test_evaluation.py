@@ -802,7 +802,7 @@ def test_calibrator_on_kernel_values_round_trips_and_runs_in_graphs(tmp_path):
     loaded = keras_duq.evaluation.CertaintyCalibrator.load(tmp_path / "c.json")
     np.testing.assert_array_equal(loaded(kernel_values), expected)
     config = calibrator.get_config()
-    assert config["thresholds"] is None and len(config["weights"]) == 2
+    assert config["thresholds"] is None and len(config["weights"]) == 3
     rebuilt = keras.saving.deserialize_keras_object(
         keras.saving.serialize_keras_object(calibrator)
     )
@@ -817,6 +817,17 @@ def test_calibrator_on_kernel_values_round_trips_and_runs_in_graphs(tmp_path):
 
 
 @pytest.mark.requires_backend("tensorflow")
+def test_calibrator_saved_with_two_weights_uses_distance_and_second_margin():
+    kernel_values, _, _ = _kernel_values(50, 0)
+    calibrator = keras_duq.evaluation.CertaintyCalibrator(weights=[0.5, 2.0], bias=-1.0)
+    log_kernel = np.log(np.sort(kernel_values.astype("float64"), axis=1)[:, ::-1])
+    logit = 0.5 * log_kernel[:, 0] + 2.0 * (log_kernel[:, 0] - log_kernel[:, 1]) - 1.0
+    np.testing.assert_allclose(
+        calibrator(kernel_values), 1.0 / (1.0 + np.exp(-logit)), rtol=1e-5, atol=1e-6
+    )
+    assert "kernel values" in repr(calibrator)
+
+
 def test_calibrator_on_kernel_values_in_tf_function():
     kernel_values, correct, _ = _kernel_values(500, 0)
     calibrator = keras_duq.evaluation.CertaintyCalibrator().fit(kernel_values, correct)
