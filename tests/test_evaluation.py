@@ -816,7 +816,6 @@ def test_calibrator_on_kernel_values_round_trips_and_runs_in_graphs(tmp_path):
         calibrator(kernel_values.max(axis=1))
 
 
-@pytest.mark.requires_backend("tensorflow")
 def test_calibrator_saved_with_two_weights_uses_distance_and_second_margin():
     kernel_values, _, _ = _kernel_values(50, 0)
     calibrator = keras_duq.evaluation.CertaintyCalibrator(weights=[0.5, 2.0], bias=-1.0)
@@ -828,6 +827,7 @@ def test_calibrator_saved_with_two_weights_uses_distance_and_second_margin():
     assert "kernel values" in repr(calibrator)
 
 
+@pytest.mark.requires_backend("tensorflow")
 def test_calibrator_on_kernel_values_in_tf_function():
     kernel_values, correct, _ = _kernel_values(500, 0)
     calibrator = keras_duq.evaluation.CertaintyCalibrator().fit(kernel_values, correct)
