@@ -33,11 +33,12 @@ class CertaintyCalibrator:
     num_classes)`, the calibrator uses both: a logistic regression of
     `correct` on the distance (`log` of the largest kernel value) and the
     ambiguity (its margin over the second largest, and over the mean of all
-    classes, in `log` space), kept as `weights` (three floats) and `bias`. Fitted on certainties
-    `(num_examples,)` (or softmax and ensemble confidences), it is an
-    isotonic regression (scikit-learn's `IsotonicRegression`, increasing,
-    values in `[0, 1]`), kept as two float32 arrays `thresholds` and
-    `values`: piecewise linear between them, constant outside.
+    classes, in `log` space), kept as `weights` (three floats) and `bias`.
+    Fitted on certainties `(num_examples,)` (or softmax and ensemble
+    confidences), it is an isotonic regression (scikit-learn's
+    `IsotonicRegression`, increasing, values in `[0, 1]`), kept as two
+    float32 arrays `thresholds` and `values`: piecewise linear between them,
+    constant outside.
 
     Calling the calibrator uses only `keras.ops`, so it runs on numpy arrays
     (returning numpy), and on backend tensors (returning a tensor), inside a
@@ -282,10 +283,12 @@ class CertaintyCalibrator:
 
     def __repr__(self) -> str:
         if self.takes_kernel_values:
-            size = "on kernel values"
+            state = "on kernel values"
+        elif self.fitted:
+            state = f"{len(self.thresholds)} knots"
         else:
-            size = "not fitted" if not self.fitted else f"{len(self.thresholds)} knots"
-        return f"<CertaintyCalibrator ({size})>"
+            state = "not fitted"
+        return f"<CertaintyCalibrator ({state})>"
 
 
 def _score_features(kernel_values):

@@ -97,7 +97,8 @@ Problems:
   training rows, 10 epochs: about 2,200 steps), the other 13 letters as the
   OoD set; the split, scaling and MLP of `wine`. The file is read from
   `$LETTER_RECOGNITION_DATA` or `shared/data/letter_recognition/`; it is not
-  in the shared copy as given: rebuild it with the project's `fetch` tool,
+  in the shared copy as given: take it from a clone of the public GitHub
+  repository davidgasquez/letter-recognition,
 
       git -C <copy of davidgasquez/letter-recognition> show \\
           fe3c4830d0003e53340bbf40a57c3573e021df64:letter-recognition.data \\
