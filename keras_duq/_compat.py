@@ -1,6 +1,6 @@
 """Every use of Keras's private internals in keras_duq, in this one module.
 
-keras_duq uses public Keras APIs wherever they exist. Two behaviours have no
+keras_duq uses public Keras APIs wherever they exist. Some behaviours have no
 public hook, so they reach into Keras here, each looked up defensively: if a
 private name moves in a future Keras, `import keras_duq` still works and the
 behaviour degrades with one warning instead of failing.
@@ -44,12 +44,18 @@ behaviour degrades with one warning instead of failing.
    fails before its first step leaves them empty. The values from before
    the call are put back into the variables still empty. Degrades to: no
    worse than Keras itself, if the attribute moves.
+8. `uses_training_argument(layer)`: Keras's Functional models
+   (`keras.src.models.functional.Functional`, which `keras.Model(inputs,
+   outputs)` builds) take `training` only to pass it on. Degrades to: a
+   training step computes the centroid update's features in an inference
+   pass of its own, as for a backbone with Dropout (a forward pass more).
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import threading
 import warnings
 
@@ -60,6 +66,7 @@ _MOMENTS_NAME = "_compute_moments"
 _ARRAY_ADAPTER_MODULE = "keras.src.trainers.data_adapters.array_data_adapter"
 _ARRAY_SLICING_MODULE = "keras.src.trainers.data_adapters.array_slicing"
 _FLATTEN_LAYERS = "_flatten_layers"
+_FUNCTIONAL_MODULE = "keras.src.models.functional"
 _BACKEND_PREFIX = "keras.src.backend."
 
 _lock = threading.Lock()
@@ -215,6 +222,37 @@ def all_layers(layer):
     for child in getattr(layer, "layers", ()):
         found.extend(all_layers(child))
     return found
+
+
+def uses_training_argument(layer) -> bool:
+    """Whether `layer`'s own `call` takes a `training` argument.
+
+    Keras's Functional and Sequential models take one only to pass it on
+    to their layers, Keras's `Dense` and `EinsumDense` take one and ignore
+    it, and a `Dropout` of rate 0 is the identity in both modes: they count
+    as not using it (a subclass that overrides `call` counts as using it).
+    Where this Keras has no `Functional` class at
+    `keras.src.models.functional`, Functional models count as using it, so
+    that a training step computes the centroid update's features in a pass
+    of its own, as it does for any layer that uses it.
+    """
+    if type(layer).call in (keras.layers.Dense.call, keras.layers.EinsumDense.call):
+        return False
+    if type(layer) is keras.layers.Dropout and layer.rate == 0:
+        return False  # the identity in both modes
+    functional = _private_module(_FUNCTIONAL_MODULE, "Functional")
+    if functional is None:
+        _warn_once(
+            "functional",
+            "keras_duq could not find Keras's Functional model class "
+            f"(`{_FUNCTIONAL_MODULE}`); a training step computes the centroid "
+            "update's features in a forward pass of its own.",
+        )
+    if isinstance(layer, keras.Sequential) or (
+        functional is not None and type(layer) is functional.Functional
+    ):
+        return False
+    return "training" in inspect.signature(layer.call).parameters
 
 
 def batch_moments_supported() -> bool:

@@ -107,7 +107,7 @@ class JAXTrainer(_trainer.Trainer):
 
         def gradients_and_losses(trainable, with_penalty=True):
             def loss(trainable):
-                total, (values, new_non_trainable) = self._stateless_objective(
+                total, (values, forward_state) = self._stateless_objective(
                     (trainable, non_trainable),
                     batch,
                     training=True,
@@ -122,7 +122,7 @@ class JAXTrainer(_trainer.Trainer):
                     state_mapping=list(zip(optimizer.variables, optimizer_variables))
                 ):
                     scaled = optimizer.scale_loss(total)
-                return scaled, (values, new_non_trainable)
+                return scaled, (values, forward_state)
 
             gradients, aux = jax.grad(loss, has_aux=True)(trainable)
             return self._clipped(gradients, scale), aux
@@ -133,20 +133,20 @@ class JAXTrainer(_trainer.Trainer):
                 _index(optimizer.variables, optimizer.iterations)
             ]
             penalised = self._is_penalty_step(iterations)
-            gradients, (values, new_non_trainable) = jax.lax.cond(
+            gradients, (values, forward_state) = jax.lax.cond(
                 penalised,
                 lambda trainable: gradients_and_losses(trainable, True),
                 lambda trainable: gradients_and_losses(trainable, False),
                 trainable,
             )
         else:
-            gradients, (values, new_non_trainable) = gradients_and_losses(trainable)
+            gradients, (values, forward_state) = gradients_and_losses(trainable)
         new_trainable, new_optimizer_variables = optimizer.stateless_apply(
             optimizer_variables, gradients, trainable
         )
         # Includes the statistics layers update in the forward pass (BatchNorm).
         finite = _ops.all_finite(
-            gradients + [values.objective] + list(new_non_trainable)
+            gradients + [values.objective] + list(forward_state.layer_values)
         )
         if self._uses_loss_scale():
             # It skips such a step itself and lowers the loss scale; the
@@ -158,7 +158,7 @@ class JAXTrainer(_trainer.Trainer):
                 code, jnp.where(finite, 0, _validation.NON_FINITE_STEP)
             )
         new_non_trainable, centroids_finite = self._update_centroids(
-            (trainable, non_trainable), new_non_trainable, x, labels_one_hot
+            (trainable, non_trainable), forward_state, x, labels_one_hot
         )
         code = _trainer.first_error(
             code,
@@ -291,16 +291,22 @@ class JAXTrainer(_trainer.Trainer):
         return records.setdefault(attribute, {"code": None, "calls": 0})
 
     def _forward(self, trainable, non_trainable, training):
-        """`x -> (log_kernel, new non-trainable values)`, statelessly."""
+        """`x -> (log_kernel, ForwardState)`, statelessly: the state holds the
+        features and the new non-trainable values."""
         mapping = self._variable_mapping(trainable, non_trainable)
 
         def forward(x, probe=None):
             with keras.StatelessScope(state_mapping=mapping) as scope:
-                log_kernel = self._log_kernel(x, training, probe)
-            return log_kernel, [
-                _current(scope, variable, value)
-                for variable, value in zip(self.non_trainable_variables, non_trainable)
-            ]
+                log_kernel, features = self._log_kernel(x, training, probe)
+            return log_kernel, _trainer.ForwardState(
+                features,
+                [
+                    _current(scope, variable, value)
+                    for variable, value in zip(
+                        self.non_trainable_variables, non_trainable
+                    )
+                ],
+            )
 
         return forward
 
@@ -313,15 +319,19 @@ class JAXTrainer(_trainer.Trainer):
         ):
             return jnp.asarray(self.optimizer.scale_loss(1.0), "float32")
 
-    def _update_centroids(self, variables, non_trainable, x, labels_one_hot):
-        """`non_trainable` with the centroid update, and whether it is finite.
+    def _update_centroids(self, variables, forward_state, x, labels_one_hot):
+        """The forward pass's non-trainable values with the centroid update,
+        and whether it is finite.
 
         The update is computed at the step's `(trainable, non_trainable)`
         `variables`, the values the gradients were taken at.
         """
         layer = self.duq_output
+        non_trainable = forward_state.layer_values
         with keras.StatelessScope(state_mapping=self._variable_mapping(*variables)):
-            values, finite = self._next_centroids(x, labels_one_hot)
+            values, finite = self._next_centroids(
+                x, labels_one_hot, forward_state.features
+            )
         updated = list(non_trainable)
         for variable, value in zip(layer._centroid_state, values):
             updated[_index(self.non_trainable_variables, variable)] = value

@@ -201,7 +201,7 @@ class TensorFlowTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
             # Nothing here assigns a variable: the layers' writes (BatchNorm's
             # statistics) come back as values, committed after the checks.
             with tf.GradientTape() as tape, keras.StatelessScope() as scope:
-                total, (values, _) = self._own_objective(
+                total, (values, state) = self._own_objective(
                     _trainer.Batch(x, y, labels_one_hot, sample_weight),
                     training=True,
                     weights=weights,
@@ -212,7 +212,8 @@ class TensorFlowTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
                 scaled = optimizer.scale_loss(scaled)
             gradients = tape.gradient(scaled, weights)
             writes = _trainer.written_values(scope, layer_state)
-            return gradients, values, writes, self._next_centroids(x, labels_one_hot)
+            centroids = self._next_centroids(x, labels_one_hot, state.features)
+            return gradients, values, writes, centroids
 
         penalised = None
         if self._lazy_penalty:
@@ -313,7 +314,7 @@ class TensorFlowTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
         Used by the tests that check the penalty's gradient.
         """
         if self.gradient_penalty == 0 or not with_penalty:
-            return self._log_kernel(x, training), None
+            return self._log_kernel(x, training)[0], None
         log_kernel, penalty, _ = _trainer.log_kernel_and_penalty(
             self._own_forward(training),
             self.input_gradients,

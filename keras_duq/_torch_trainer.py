@@ -79,7 +79,7 @@ class TorchTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
         # Compute: nothing here assigns a variable; the layers' writes
         # (BatchNorm's statistics) come back as values.
         with torch.enable_grad(), keras.StatelessScope() as scope:
-            total, (step_values, _) = self._own_objective(
+            total, (step_values, state) = self._own_objective(
                 batch, training=True, weights=values, with_penalty=penalised
             )
             gradients = torch.autograd.grad(
@@ -91,7 +91,7 @@ class TorchTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
         ]
         gradients = self._clipped(gradients, scale)
         with torch.no_grad():
-            centroids = self._next_centroids(x, labels_one_hot)
+            centroids = self._next_centroids(x, labels_one_hot, state.features.detach())
         # Check.
         finite = _all_finite(gradients + [total] + writes)
         if not finite and self._uses_loss_scale():

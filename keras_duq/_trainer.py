@@ -160,8 +160,8 @@ def objective(
 
     Args:
         forward: `forward(x, probe=None) -> (log_kernel, state)`: the
-            model's forward pass; `state` is whatever the backend needs back
-            from it (the layers' new non-trainable values on JAX). With a
+            model's forward pass; `state` is a `ForwardState` (the features,
+            and on JAX the layers' new non-trainable values). With a
             `probe`, the outputs of the model's `penalty_input` layer pass
             through it (see `InputGradients`).
         input_gradients: the backend's `InputGradients`.
@@ -321,6 +321,18 @@ def step_error(finite, centroids_finite):
         ),
         "int32",
     )
+
+
+class ForwardState(NamedTuple):
+    """What a forward pass gives back besides the log kernel values.
+
+    `features`: the feature extractor's outputs, for the centroid update
+    where they equal inference mode's (`Trainer._features_for_centroids`);
+    `layer_values`: the layers' new non-trainable values (JAX), else `None`.
+    """
+
+    features: Any
+    layer_values: Any = None
 
 
 class Centroids(NamedTuple):
@@ -526,7 +538,7 @@ class Trainer:
         return labels_to_one_hot(y, self.num_classes)
 
     def _log_kernel(self, x, training, probe=None):
-        """The forward pass: log kernel values `(batch, num_classes)`.
+        """The forward pass: `(log kernel values (batch, num_classes), features)`.
 
         With a `probe` (see `InputGradients`), the outputs of the
         `penalty_input` layer pass through it, in the copy of the feature
@@ -537,7 +549,7 @@ class Trainer:
         else:
             with _penalty_input.probing(probe):
                 features = self._probed_feature_extractor(x, training=training)
-        return self.duq_output.log_kernel_values(features)
+        return self.duq_output.log_kernel_values(features), features
 
     def _own_forward(self, training):
         """`forward` for `objective` over the model's own variables.
@@ -545,7 +557,12 @@ class Trainer:
         TensorFlow's and PyTorch's steps run it; JAX's steps are stateless
         and pass a forward pass over the state they are given.
         """
-        return lambda x, probe=None: (self._log_kernel(x, training, probe), None)
+
+        def forward(x, probe=None):
+            log_kernel, features = self._log_kernel(x, training, probe)
+            return log_kernel, ForwardState(features)
+
+        return forward
 
     def _own_objective(self, batch, training, weights=None, with_penalty=True):
         """`objective` of `batch` (a `Batch`) over the model's own variables.
@@ -566,17 +583,42 @@ class Trainer:
             self._input_gradient_scale() if training else None,
         )
 
-    def _next_centroids(self, x, labels_one_hot):
+    def _next_centroids(self, x, labels_one_hot, training_features):
         """The step's `Centroids` update, from inference-mode features.
 
         The features are those of the weights the step's gradients were
         taken at, so that the whole step is computed and checked before any
-        of it is assigned.
+        of it is assigned. `training_features`: the step's forward pass's,
+        used as they are where inference mode computes the same
+        (`_features_for_centroids`), which saves a forward pass.
         """
-        features = self.feature_extractor(x, training=False)
+        features = training_features
+        if not self._features_for_centroids():
+            features = self.feature_extractor(x, training=False)
         return Centroids(
-            *self.duq_output._next_centroid_state(features, labels_one_hot)
+            *self.duq_output._next_centroid_state(
+                ops.stop_gradient(features), labels_one_hot
+            )
         )
+
+    def _features_for_centroids(self):
+        """Whether a training forward pass's features are inference mode's.
+
+        True where no layer of the feature extractor uses a `training`
+        argument (`_compat.uses_training_argument`: Dropout,
+        BatchNormalization, GaussianNoise, SpectralNormalization, recurrent
+        and attention layers and any custom layer that takes one do).
+        Asked once the model is built; the layers do not change.
+        """
+        same = self.__dict__.get("_duq_features_for_centroids")
+        if same is None:
+            same = not any(
+                _compat.uses_training_argument(layer)
+                for layer in _compat.all_layers(self.feature_extractor)
+            )
+            if self.built:
+                self.__dict__["_duq_features_for_centroids"] = same
+        return same
 
     def _layer_state(self):
         """Variables that layers assign in the forward pass.

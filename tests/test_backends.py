@@ -288,3 +288,70 @@ def test_trainers_copy_no_variable():
             if isinstance(node, (ast.FunctionDef, ast.Name)):
                 name = getattr(node, "name", getattr(node, "id", ""))
                 assert "restore" not in name and "rollback" not in name, (module, name)
+
+
+class _CountsPasses(keras.layers.Layer):
+    """The identity, counting the forward passes it runs (eagerly) by mode."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.passes = []
+
+    def call(self, x):
+        self.passes.append(None)
+        return x
+
+
+class _CountsTrainingPasses(_CountsPasses):
+    def call(self, x, training=None):
+        self.passes.append(bool(training))
+        return x
+
+
+@pytest.mark.parametrize("counter", [_CountsPasses, _CountsTrainingPasses])
+def test_centroid_update_reuses_the_training_pass_where_inference_is_the_same(
+    counter,
+):
+    # No layer takes `training`: inference mode computes what the training
+    # pass did, and the step runs one forward pass. A layer that takes it
+    # (Dropout, BatchNormalization, custom) gets an inference pass of its own.
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    counting = counter()
+    features = counting(keras.layers.Dense(8, activation="relu")(inputs))
+    outputs = keras_duq.DUQOutput(3, centroid_dims=6)(features)
+    model = keras_duq.DUQModel(inputs, outputs, gradient_penalty=0.5)
+    model.compile(optimizer=keras.optimizers.SGD(0.05), run_eagerly=True)
+    x, y = harness.tabular_data(n=16)
+    model.train_on_batch(x, y)
+    counting.passes.clear()
+    model.train_on_batch(x, y)
+    if counter is _CountsPasses:
+        assert counting.passes == [None]
+    else:
+        assert counting.passes == [True, False]
+
+
+def test_reused_training_features_give_the_inference_pass_centroid_update(
+    monkeypatch,
+):
+    def trained(separate_pass):
+        if separate_pass:
+            monkeypatch.setattr(
+                keras_duq.DUQModel, "_features_for_centroids", lambda self: False
+            )
+        else:
+            monkeypatch.undo()
+        keras.utils.set_random_seed(0)
+        model = keras_duq.wrap(
+            keras.Sequential([keras.Input((4,)), keras.layers.Dense(8)]), 3
+        )
+        model.compile(optimizer=keras.optimizers.SGD(0.05))
+        x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
+        model.fit(x, np.arange(32) % 3, batch_size=16, epochs=2, verbose=0)
+        return [keras.ops.convert_to_numpy(v) for v in model.variables]
+
+    reused, separate = trained(False), trained(True)
+    assert len(reused) == len(separate)
+    for a, b in zip(reused, separate):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

@@ -148,3 +148,47 @@ def test_public_names_have_one_home_and_a_missing_one_names_the_submodules():
         "PAPER_SETTINGS",
         "load_model",
     }
+
+
+class _UsesTraining(keras.layers.Layer):
+    def call(self, x, training=None):
+        return x
+
+
+class _OwnDense(keras.layers.Dense):
+    def call(self, inputs, training=None):
+        return super().call(inputs) * (2.0 if training else 1.0)
+
+
+def test_layers_that_use_training_are_told_from_those_that_pass_it_on():
+    inputs = keras.Input((4,))
+    functional = keras.Model(inputs, keras.layers.Dense(3)(inputs))
+    same = [
+        keras.layers.Dense(3),
+        keras.layers.EinsumDense("ab,bc->ac", output_shape=3),
+        keras.layers.Dropout(0.0),
+        keras.layers.Conv2D(3, 3),
+        keras.Sequential([keras.layers.Dense(3)]),
+        functional,
+    ]
+    different = [
+        keras.layers.Dropout(0.5),
+        keras.layers.BatchNormalization(),
+        keras.layers.GaussianNoise(0.1),
+        _UsesTraining(),
+        _OwnDense(3),
+    ]
+    assert not any(_compat.uses_training_argument(layer) for layer in same)
+    assert all(_compat.uses_training_argument(layer) for layer in different)
+
+
+def test_without_keras_functional_class_a_step_takes_its_own_inference_pass(
+    monkeypatch,
+):
+    inputs = keras.Input((4,))
+    functional = keras.Model(inputs, keras.layers.Dense(3)(inputs))
+    monkeypatch.setattr(_compat, "_FUNCTIONAL_MODULE", "keras.src.no_such_module")
+    monkeypatch.setattr(_compat, "_warned", set())
+    with pytest.warns(RuntimeWarning, match="Functional model class"):
+        assert _compat.uses_training_argument(functional)
+    assert not _compat.uses_training_argument(keras.layers.Dense(3))
