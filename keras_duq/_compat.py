@@ -236,21 +236,24 @@ def uses_training_argument(layer) -> bool:
     that a training step computes the centroid update's features in a pass
     of its own, as it does for any layer that uses it.
     """
-    if type(layer).call in (keras.layers.Dense.call, keras.layers.EinsumDense.call):
-        return False
     if type(layer) is keras.layers.Dropout and layer.rate == 0:
         return False  # the identity in both modes
+    passing_on = [
+        keras.Sequential.call,
+        keras.layers.Dense.call,
+        keras.layers.EinsumDense.call,
+    ]
     functional = _private_module(_FUNCTIONAL_MODULE, "Functional")
-    if functional is None:
+    if functional is not None:
+        passing_on.append(functional.Functional.call)
+    elif isinstance(layer, keras.Model):
         _warn_once(
             "functional",
             "keras_duq could not find Keras's Functional model class "
             f"(`{_FUNCTIONAL_MODULE}`); a training step computes the centroid "
             "update's features in a forward pass of its own.",
         )
-    if isinstance(layer, keras.Sequential) or (
-        functional is not None and type(layer) is functional.Functional
-    ):
+    if type(layer).call in passing_on:
         return False
     return "training" in inspect.signature(layer.call).parameters
 

@@ -297,7 +297,7 @@ class JAXTrainer(_trainer.Trainer):
 
         def forward(x, probe=None):
             with keras.StatelessScope(state_mapping=mapping) as scope:
-                log_kernel, features = self._log_kernel(x, training, probe)
+                log_kernel, features = self._log_kernel_and_features(x, training, probe)
             return log_kernel, _trainer.ForwardState(
                 features,
                 [

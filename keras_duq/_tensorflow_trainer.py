@@ -314,7 +314,7 @@ class TensorFlowTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
         Used by the tests that check the penalty's gradient.
         """
         if self.gradient_penalty == 0 or not with_penalty:
-            return self._log_kernel(x, training)[0], None
+            return self._log_kernel_and_features(x, training)[0], None
         log_kernel, penalty, _ = _trainer.log_kernel_and_penalty(
             self._own_forward(training),
             self.input_gradients,

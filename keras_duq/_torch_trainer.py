@@ -91,7 +91,7 @@ class TorchTrainer(_trainer.UncompiledSteps, _trainer.Trainer):
         ]
         gradients = self._clipped(gradients, scale)
         with torch.no_grad():
-            centroids = self._next_centroids(x, labels_one_hot, state.features.detach())
+            centroids = self._next_centroids(x, labels_one_hot, state.features)
         # Check.
         finite = _all_finite(gradients + [total] + writes)
         if not finite and self._uses_loss_scale():

@@ -537,7 +537,7 @@ class Trainer:
     def _labels_to_one_hot(self, y):
         return labels_to_one_hot(y, self.num_classes)
 
-    def _log_kernel(self, x, training, probe=None):
+    def _log_kernel_and_features(self, x, training, probe=None):
         """The forward pass: `(log kernel values (batch, num_classes), features)`.
 
         With a `probe` (see `InputGradients`), the outputs of the
@@ -559,7 +559,7 @@ class Trainer:
         """
 
         def forward(x, probe=None):
-            log_kernel, features = self._log_kernel(x, training, probe)
+            log_kernel, features = self._log_kernel_and_features(x, training, probe)
             return log_kernel, ForwardState(features)
 
         return forward

@@ -335,13 +335,7 @@ def test_centroid_update_reuses_the_training_pass_where_inference_is_the_same(
 def test_reused_training_features_give_the_inference_pass_centroid_update(
     monkeypatch,
 ):
-    def trained(separate_pass):
-        if separate_pass:
-            monkeypatch.setattr(
-                keras_duq.DUQModel, "_features_for_centroids", lambda self: False
-            )
-        else:
-            monkeypatch.undo()
+    def trained():
         keras.utils.set_random_seed(0)
         model = keras_duq.wrap(
             keras.Sequential([keras.Input((4,)), keras.layers.Dense(8)]), 3
@@ -351,7 +345,11 @@ def test_reused_training_features_give_the_inference_pass_centroid_update(
         model.fit(x, np.arange(32) % 3, batch_size=16, epochs=2, verbose=0)
         return [keras.ops.convert_to_numpy(v) for v in model.variables]
 
-    reused, separate = trained(False), trained(True)
+    reused = trained()
+    monkeypatch.setattr(
+        keras_duq.DUQModel, "_features_for_centroids", lambda self: False
+    )
+    separate = trained()
     assert len(reused) == len(separate)
     for a, b in zip(reused, separate):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
