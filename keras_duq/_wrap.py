@@ -10,6 +10,7 @@ from typing import Any
 import keras
 
 from keras_duq._duq_model import DUQModel
+from keras_duq._duq_output import DEFAULT_PROJECTION_LEARNING_RATE
 from keras_duq._duq_output import PAPER_PROJECTION_LEARNING_RATE
 from keras_duq._duq_output import DUQOutput
 from keras_duq._duq_output import check_feature_shape
@@ -43,7 +44,7 @@ def wrap(
     trainable_length_scale: bool = False,
     bias_correction: bool = False,
     trainable_projection: bool = True,
-    projection_learning_rate: float = 0.1,
+    projection_learning_rate: float = DEFAULT_PROJECTION_LEARNING_RATE,
     head: str = "auto",
     # DUQModel's arguments.
     gradient_penalty: float = 0.1,

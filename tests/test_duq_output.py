@@ -170,13 +170,21 @@ def test_config_round_trip():
 def test_config_without_projection_learning_rate_loads_at_the_paper_rate():
     # A layer saved before the option existed trained W at the optimizer's
     # rate and stored W itself in `kernel`: it must load that way, not with
-    # today's default, or its kernel values would be read at a tenth.
+    # today's default, or its kernel values would be read at 0.3 of W.
     layer = keras_duq.DUQOutput(num_classes=3)
-    assert layer.projection_learning_rate == 0.1
+    assert layer.projection_learning_rate == 0.3
     config = layer.get_config()
     del config["projection_learning_rate"]
     restored = keras_duq.DUQOutput.from_config(config)
     assert restored.projection_learning_rate == 1.0
+
+
+def test_config_keeps_the_rate_it_was_saved_with():
+    # A layer saved when the default was 0.1 stores `W / 0.1` in `kernel`:
+    # it must load at 0.1, whatever today's default.
+    config = keras_duq.DUQOutput(num_classes=3, projection_learning_rate=0.1).get_config()
+    restored = keras_duq.DUQOutput.from_config(config)
+    assert restored.projection_learning_rate == 0.1
 
 
 def test_shared_head_matches_its_formula_and_a_per_class_head_with_equal_projections():
