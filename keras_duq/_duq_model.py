@@ -270,9 +270,11 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
         penalty_input: `None` (default) or the name of a layer of the
             feature extractor (also inside a nested Sequential or functional
             backbone) with a floating-point output. The penalty is then on
-            `||grad_z sum_c K_c||_2` for `z` that layer's output (all its
-            outputs, if it is called more than once) instead of the inputs:
-            for a model of token ids, the `Embedding` layer, e.g.
+            `std(z) * ||grad_z sum_c K_c||_2` for `z` that layer's output
+            (all its outputs, if it is called more than once) instead of
+            the inputs: the gradient per standard deviation of `z` over the
+            batch, as if `z` were standardised like the inputs should be.
+            For a model of token ids, the `Embedding` layer, e.g.
             `penalty_input="embedding"`. The model's predictions, saving
             and export are unchanged. Saved with the model.
         **kwargs: base model keyword arguments such as `name`.

@@ -64,7 +64,11 @@ def _gradient(function, z):
 
 
 def _penalty_by_hand(model, x):
-    """Mean two-sided penalty `(||d sum_c K_c / dz|| - 1)^2`, z the embeddings, and the norms."""
+    """Mean two-sided penalty `(s ||d sum_c K_c / dz|| - 1)^2`, z the embeddings, and the norms.
+
+    `s` is the embeddings' spread over the batch's unpadded positions: the
+    root of their mean per-dimension variance.
+    """
     backbone = model.feature_extractor.layers[-1]
     embedding, pooling, dense = (
         backbone.get_layer(name) for name in ("embedding", "pooling", "dense")
@@ -76,13 +80,17 @@ def _penalty_by_hand(model, x):
         return ops.sum(ops.exp(model.duq_output.log_kernel_values(features)))
 
     z = embedding(ops.convert_to_tensor(x))
-    gradient = ops.convert_to_numpy(_gradient(kernel_sum, z))
+    kept = ops.convert_to_numpy(z).astype("float64")[x != 0]
+    spread = np.sqrt(kept.var(axis=0).mean())
+    gradient = ops.convert_to_numpy(_gradient(kernel_sum, z)) * spread
     norms = np.sqrt((gradient.reshape(len(x), -1).astype("float64") ** 2).sum(-1))
     return float(np.mean((norms - 1.0) ** 2)), norms
 
 
 def test_penalty_matches_the_gradient_with_respect_to_the_embeddings():
-    model = _model(health_checks=False)
+    # A length scale measured on the features, so that the kernel values
+    # change with the embeddings at their small initial scale.
+    model = _model(health_checks=False, length_scale="auto")
     model.compile(optimizer=keras.optimizers.SGD(0.05))
     x, y = _tokens()
     # A few steps first, so that the kernel values and the gradient are not
@@ -108,6 +116,26 @@ def test_padding_mask_is_kept_in_the_penalty_pass():
     table[0] += 5.0
     embedding.embeddings.assign(table)
     after = model.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
+    np.testing.assert_allclose(
+        after["gradient_penalty"], before["gradient_penalty"], rtol=1e-5
+    )
+
+
+def test_penalty_does_not_depend_on_the_scale_of_the_embeddings():
+    # The gradient is taken per unit of the embeddings' spread, as for
+    # standardised inputs: embeddings 10 times larger, read by a Dense layer
+    # with a kernel 10 times smaller, give the same features and the same
+    # penalty.
+    model = _model(health_checks=False)
+    model.compile(optimizer=keras.optimizers.SGD(0.05))
+    x, y = _tokens(n=16)
+    before = model.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
+    backbone = model.feature_extractor.layers[-1]
+    embedding, dense = backbone.get_layer("embedding"), backbone.get_layer("dense")
+    embedding.embeddings.assign(embedding.embeddings * 10.0)
+    dense.kernel.assign(dense.kernel / 10.0)
+    after = model.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
+    np.testing.assert_allclose(after["bce"], before["bce"], rtol=1e-5)
     np.testing.assert_allclose(
         after["gradient_penalty"], before["gradient_penalty"], rtol=1e-5
     )
