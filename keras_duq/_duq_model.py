@@ -270,10 +270,12 @@ class DUQModel(_compat.MultiWorkerBuildMixin, _BackendTrainer, keras.Model):
         penalty_input: `None` (default) or the name of a layer of the
             feature extractor (also inside a nested Sequential or functional
             backbone) with a floating-point output. The penalty is then on
-            `std(z) * ||grad_z sum_c K_c||_2` for `z` that layer's output
-            (all its outputs, if it is called more than once) instead of
-            the inputs: the gradient per standard deviation of `z` over the
-            batch, as if `z` were standardised like the inputs should be.
+            `s * ||grad_z sum_c K_c||_2` for `z` that layer's output (all
+            its outputs, if it is called more than once) instead of the
+            inputs, `s` the spread of `z` over the batch (the root of its
+            mean per-dimension variance over the positions the layer's mask
+            keeps): the gradient per unit of `z`'s own scale, as if `z` were
+            standardised like the inputs should be.
             For a model of token ids, the `Embedding` layer, e.g.
             `penalty_input="embedding"`. The model's predictions, saving
             and export are unchanged. Saved with the model.
